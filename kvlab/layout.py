@@ -1,0 +1,89 @@
+"""Byte layouts of kvlab's packed codes and of the paged MSE cache. Stated here once.
+
+Packed indices (``bits`` per element, element ``j`` of a vector):
+
+* 8 bit: byte ``j``.
+* 4 bit: two per byte, low nibble first: byte ``j // 2``, bits ``4 * (j % 2)``.
+* 3 bit: a little-endian bit stream, element ``j`` at bit ``3 j``, in ``ceil(3 dim / 8)`` bytes
+  (an element may straddle two bytes).
+* 2 bit: four per byte from the low bits: byte ``j // 4``, bits ``2 * (j % 4)``.
+
+In general a ``bits``-wide field of element ``j`` starts at bit ``bits * j`` of a little-endian
+stream of ``ceil(bits * dim / 8)`` bytes; unused high bits of the last byte are zero.
+
+An MSE code of one vector is ``[indices | norm]``: the packed centroid indices, then the vector's
+norm as fp16, little-endian (2 bytes).
+
+The paged cache is one uint8 tensor ``[num_blocks, block_size, num_heads, slot_bytes]``. Token ``i``
+of a batch goes to slot ``slot_mapping[i] = block * block_size + offset`` (``-1``: padding, not
+written). One slot of one head holds, in order::
+
+    key indices | key norm (fp16) | value indices | value norm (fp16)
+
+Key and value bits may differ.
+
+An affine code (``AffineCodec``) with ``axis="token"`` is, per vector, ``[indices | scales | zeros]``:
+the packed indices of all ``dim`` elements, then one fp16 scale per group, then one fp16 zero per
+group (groups of ``group_size`` consecutive channels). With ``axis="channel"`` one code covers
+``group_size`` consecutive tokens: their ``group_size`` rows of packed indices, then ``dim`` fp16
+scales and ``dim`` fp16 zeros (one per channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["NORM_BYTES", "MSESlot", "packed_bytes"]
+
+NORM_BYTES = 2  # fp16
+
+
+def packed_bytes(dim: int, bits: int) -> int:
+    """Bytes holding ``dim`` packed ``bits``-wide indices."""
+    return (dim * bits + 7) // 8
+
+
+@dataclass(frozen=True)
+class MSESlot:
+    """Offsets inside one ``[key | key norm | value | value norm]`` slot of the paged cache."""
+
+    dim: int
+    key_bits: int
+    value_bits: int
+
+    @property
+    def key_bytes(self) -> int:
+        return packed_bytes(self.dim, self.key_bits)
+
+    @property
+    def value_bytes(self) -> int:
+        return packed_bytes(self.dim, self.value_bits)
+
+    @property
+    def key_offset(self) -> int:
+        return 0
+
+    @property
+    def key_norm_offset(self) -> int:
+        return self.key_bytes
+
+    @property
+    def value_offset(self) -> int:
+        return self.key_bytes + NORM_BYTES
+
+    @property
+    def value_norm_offset(self) -> int:
+        return self.value_offset + self.value_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.value_norm_offset + NORM_BYTES
+
+    @property
+    def key_code_bytes(self) -> int:
+        """Bytes of one key's MSE code (indices + norm), i.e. ``MSECodec.nbytes``."""
+        return self.key_bytes + NORM_BYTES
+
+    @property
+    def value_code_bytes(self) -> int:
+        return self.value_bytes + NORM_BYTES

@@ -1,0 +1,282 @@
+"""Pure-torch reference codecs: the readable oracle that kvlab's Triton kernels must reproduce.
+
+Nothing here is fast and nothing here is imported by a kernel. Every operation is one whose result
+does not depend on the device or on summation order (fp32 elementwise arithmetic, fp64
+accumulation for norms, comparisons), so the kernels can match the packed bytes exactly.
+
+* ``MSECodec``: rotate, take the norm, normalise, pick the nearest Lloyd-Max centroid of the
+  rotated coordinate distribution, pack the indices, append the fp16 norm.
+* ``AffineCodec``: asymmetric min/max quantization with one fp16 scale and one fp16 zero per group
+  of ``group_size`` channels of a token (``axis="token"``) or tokens of a channel (``axis="channel"``).
+* ``write_slots`` / ``read_slots``: the paged MSE cache of ``kvlab.layout``.
+
+Byte layouts are those of ``kvlab.layout``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks as C
+from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .lloyd_max import lloyd_max
+from .rotation import KINDS, rotation_matrix
+
+__all__ = [
+    "AffineCodec",
+    "MSECodec",
+    "pack_indices",
+    "read_slots",
+    "unpack_indices",
+    "write_slots",
+]
+
+PACK_BITS = (2, 3, 4, 8)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer indices ``[..., n]`` (values < 2**bits) into uint8 ``[..., ceil(bits n / 8)]``."""
+    C.check_int("bits", bits, PACK_BITS)
+    n = idx.shape[-1]
+    nbytes = packed_bytes(n, bits)
+    idx = idx.to(torch.int64)
+    if bits == 8:
+        return idx.to(torch.uint8)
+    # Element j occupies bits [bits*j, bits*j + bits) of a little-endian stream.
+    start = torch.arange(n, device=idx.device) * bits
+    out = torch.zeros(*idx.shape[:-1], nbytes + 1, dtype=torch.int64, device=idx.device)
+    lo_byte, shift = start // 8, start % 8
+    out.index_add_(-1, lo_byte, (idx << shift) & 0xFF)
+    out.index_add_(-1, lo_byte + 1, idx >> (8 - shift))  # the part that straddles into the next byte
+    return out[..., :nbytes].to(torch.uint8)
+
+
+def unpack_indices(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of ``pack_indices``: uint8 ``[..., nbytes]`` -> int64 ``[..., n]``."""
+    C.check_int("bits", bits, PACK_BITS)
+    data = packed.to(torch.int64)
+    if bits == 8:
+        return data[..., :n]
+    data = torch.cat([data, torch.zeros_like(data[..., :1])], -1)
+    start = torch.arange(n, device=packed.device) * bits
+    lo_byte, shift = start // 8, start % 8
+    word = data[..., lo_byte] | (data[..., lo_byte + 1] << 8)
+    return (word >> shift) & ((1 << bits) - 1)
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp16 values ``[...]`` -> little-endian bytes ``[..., 2]``."""
+    u = x.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return torch.stack([u & 0xFF, u >> 8], -1).to(torch.uint8)
+
+
+def _fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian bytes ``[..., 2]`` -> fp16 ``[...]``."""
+    u = b[..., 0].to(torch.int32) | (b[..., 1].to(torch.int32) << 8)
+    return torch.where(u >= 0x8000, u - 0x10000, u).to(torch.int16).view(torch.float16)
+
+
+# ----------------------------------------------------------------------------- MSE codec
+
+
+class MSECodec:
+    """Rotated Lloyd-Max codec (TurboQuant's MSE variant) for vectors of ``dim`` elements.
+
+    ``encode(x [..., dim]) -> uint8 [..., nbytes]`` and ``decode(codes, space="model"|"rotated")``.
+    ``space="rotated"`` returns the vector in rotated coordinates (``y = x @ rotation``), which is
+    what attention in rotated space consumes; ``"model"`` rotates it back.
+    """
+
+    def __init__(self, dim: int, bits: int, rotation: str = "haar", seed: int = 0, norm_correction: bool = True):
+        C.check_int("dim", dim, minimum=3)
+        C.check_int("bits", bits, (2, 3, 4))
+        C.check_choice("rotation", rotation, KINDS)
+        C.check_int("seed", seed)
+        if not isinstance(norm_correction, bool):
+            raise TypeError(f"norm_correction must be a bool, got {type(norm_correction).__name__}")
+        self.dim, self.bits, self.rotation_kind, self.seed = dim, bits, rotation, seed
+        self.norm_correction = norm_correction
+        self.quantizer = lloyd_max(bits, dim)
+        self.rotation = rotation_matrix(rotation, dim, seed)  # validates dim for the kind
+        self.centroids = torch.tensor(self.quantizer.centroids, dtype=torch.float32)
+        self.boundaries = torch.tensor(self.quantizer.boundaries, dtype=torch.float32)
+        self.index_bytes = packed_bytes(dim, bits)
+        self.nbytes = self.index_bytes + NORM_BYTES
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8.0 * self.nbytes / self.dim
+
+    def __repr__(self) -> str:
+        return (
+            f"MSECodec(dim={self.dim}, bits={self.bits}, rotation={self.rotation_kind!r}, "
+            f"seed={self.seed}, norm_correction={self.norm_correction})"
+        )
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1, last_dim=self.dim)
+        C.check_finite("x", x)
+        y = x.float() @ self.rotation.to(x.device)
+        norm = y.double().square().sum(-1).sqrt().float()
+        if bool((norm > C.FP16_MAX).any()):
+            raise ValueError(f"x has vectors with norm above {C.FP16_MAX:g}; the norm is stored in fp16")
+        unit = y / torch.where(norm > 0, norm, 1.0).unsqueeze(-1)
+        idx = torch.bucketize(unit, self.boundaries.to(x.device))  # number of boundaries < unit
+        return torch.cat([pack_indices(idx, self.bits), _fp16_bytes(norm)], -1)
+
+    def decode(self, codes: torch.Tensor, space: str = "model") -> torch.Tensor:
+        """uint8 ``[..., nbytes]`` -> float32 ``[..., dim]``."""
+        C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=self.nbytes)
+        C.check_choice("space", space, ("model", "rotated"))
+        idx = unpack_indices(codes[..., : self.index_bytes], self.bits, self.dim)
+        unit = self.centroids.to(codes.device)[idx]
+        if self.norm_correction:
+            unit = unit / unit.square().sum(-1, keepdim=True).sqrt().clamp_min(1e-12)
+        y = unit * _fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
+        return y if space == "rotated" else y @ self.rotation.to(codes.device).T
+
+
+# ----------------------------------------------------------------------------- affine codec
+
+
+class AffineCodec:
+    """Asymmetric min/max codec, one fp16 scale and fp16 zero per group of ``group_size``.
+
+    ``axis="token"``: groups of channels within each vector; ``encode(x [..., dim])`` ->
+    uint8 ``[..., nbytes(dim)]``. ``axis="channel"``: groups of ``group_size`` consecutive tokens
+    per channel (keys in KIVI); ``encode(x [..., tokens, dim])`` -> uint8
+    ``[..., tokens / group_size, nbytes(dim)]``. ``x_hat = q * scale + zero`` with
+    ``q = floor((x - zero) / scale + 1/2)`` clamped to ``[0, 2**bits - 1]``.
+    """
+
+    def __init__(self, bits: int, group_size: int, axis: str = "token"):
+        C.check_int("bits", bits, PACK_BITS)
+        C.check_int("group_size", group_size, minimum=8)
+        if group_size % 8:
+            raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
+        C.check_choice("axis", axis, ("token", "channel"))
+        self.bits, self.group_size, self.axis = bits, group_size, axis
+        self.levels = (1 << bits) - 1
+
+    @property
+    def bits_per_element(self) -> float:
+        return self.bits + 32.0 / self.group_size
+
+    def __repr__(self) -> str:
+        return f"AffineCodec(bits={self.bits}, group_size={self.group_size}, axis={self.axis!r})"
+
+    def nbytes(self, dim: int) -> int:
+        """Bytes of one code: one vector (token axis) or ``group_size`` vectors (channel axis)."""
+        if self.axis == "token":
+            return packed_bytes(dim, self.bits) + 4 * (dim // self.group_size)
+        return self.group_size * packed_bytes(dim, self.bits) + 4 * dim
+
+    def _check_dim(self, dim: int) -> None:
+        if self.axis == "token" and dim % self.group_size:
+            raise ValueError(f"x's last dimension ({dim}) must be a multiple of group_size={self.group_size}")
+        if self.axis == "channel" and dim % 8:
+            raise ValueError(f"x's last dimension ({dim}) must be a multiple of 8")
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """View x as [..., groups, group_size] with the group axis last."""
+        if self.axis == "token":
+            return x.reshape(*x.shape[:-1], x.shape[-1] // self.group_size, self.group_size)
+        t, d = x.shape[-2:]
+        return x.reshape(*x.shape[:-2], t // self.group_size, self.group_size, d).transpose(-1, -2)
+
+    def _ungrouped(self, g: torch.Tensor, shape) -> torch.Tensor:
+        if self.axis == "token":
+            return g.reshape(shape)
+        return g.transpose(-1, -2).reshape(shape)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1 if self.axis == "token" else 2)
+        self._check_dim(x.shape[-1])
+        if self.axis == "channel" and x.shape[-2] % self.group_size:
+            raise ValueError(
+                f"x's token dimension ({x.shape[-2]}) must be a multiple of group_size={self.group_size} for axis='channel'"
+            )
+        C.check_finite("x", x)
+        g = self._grouped(x.float())
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / self.levels).to(torch.float16)
+        zero = lo.to(torch.float16)
+        if bool(torch.isinf(scale).any()) or bool(torch.isinf(zero).any()):
+            raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
+        s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+        q = torch.floor((g - z) / torch.where(s > 0, s, 1.0) + 0.5).clamp(0, self.levels)
+        q = self._ungrouped(q, x.shape)
+        packed = pack_indices(q, self.bits)
+        if self.axis == "token":
+            return torch.cat([packed, _fp16_bytes(scale).flatten(-2), _fp16_bytes(zero).flatten(-2)], -1)
+        # [..., T, P] -> [..., T/G, G*P], then per-channel scales and zeros of the group
+        packed = packed.reshape(*packed.shape[:-2], -1, self.group_size * packed.shape[-1])
+        return torch.cat([packed, _fp16_bytes(scale).flatten(-2), _fp16_bytes(zero).flatten(-2)], -1)
+
+    def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
+        """uint8 codes -> float32 ``[..., dim]`` (token axis) or ``[..., tokens, dim]`` (channel axis)."""
+        C.check_int("dim", dim, minimum=1)
+        self._check_dim(dim)
+        C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=self.nbytes(dim))
+        p = packed_bytes(dim, self.bits)
+        ngroups = dim // self.group_size if self.axis == "token" else dim
+        if self.axis == "token":
+            q = unpack_indices(codes[..., :p], self.bits, dim)
+            meta = codes[..., p:]
+        else:
+            rows = codes[..., : self.group_size * p].reshape(*codes.shape[:-1], self.group_size, p)
+            q = unpack_indices(rows, self.bits, dim)  # [..., T/G, G, dim]
+            q = q.reshape(*codes.shape[:-2], -1, dim)
+            meta = codes[..., self.group_size * p :]
+        scale = _fp16_from_bytes(meta[..., : 2 * ngroups].reshape(*meta.shape[:-1], ngroups, 2)).float()
+        zero = _fp16_from_bytes(meta[..., 2 * ngroups :].reshape(*meta.shape[:-1], ngroups, 2)).float()
+        g = self._grouped(q.float())
+        return self._ungrouped(g * scale.unsqueeze(-1) + zero.unsqueeze(-1), q.shape)
+
+
+# ----------------------------------------------------------------------------- paged cache
+
+
+def _check_cache(cache, layout: MSESlot):
+    C.check_tensor("cache", cache, (torch.uint8,))
+    if cache.dim() != 4 or cache.shape[-1] != layout.slot_bytes:
+        raise ValueError(
+            f"cache must have shape [num_blocks, block_size, num_heads, {layout.slot_bytes}] for {layout}, "
+            f"got {tuple(cache.shape)}"
+        )
+
+
+def write_slots(cache, slot_mapping, key_codes, value_codes, layout: MSESlot) -> None:
+    """Write MSE codes ``[num_tokens, num_heads, *_code_bytes]`` into their slots (in place)."""
+    _check_cache(cache, layout)
+    C.check_tensor("key_codes", key_codes, (torch.uint8,), last_dim=layout.key_code_bytes)
+    C.check_tensor("value_codes", value_codes, (torch.uint8,), last_dim=layout.value_code_bytes)
+    num_blocks, block_size, num_heads, _ = cache.shape
+    if key_codes.dim() != 3 or key_codes.shape[1] != num_heads or value_codes.shape[:2] != key_codes.shape[:2]:
+        raise ValueError(
+            f"key_codes and value_codes must be [num_tokens, {num_heads}, code_bytes], "
+            f"got {tuple(key_codes.shape)} and {tuple(value_codes.shape)}"
+        )
+    C.check_same_device(cache=cache, key_codes=key_codes, value_codes=value_codes)
+    C.check_slot_mapping(slot_mapping, key_codes.shape[0], num_blocks * block_size, cache.device)
+    keep = slot_mapping >= 0
+    flat = cache.view(num_blocks * block_size, num_heads, layout.slot_bytes)
+    slots = slot_mapping[keep].long()
+    flat[slots] = torch.cat([key_codes[keep], value_codes[keep]], -1)
+
+
+def read_slots(cache, slot_mapping, layout: MSESlot):
+    """Read ``(key_codes, value_codes)`` ``[num_tokens, num_heads, *_code_bytes]`` from their slots.
+
+    Padding tokens (slot -1) read as zero bytes.
+    """
+    _check_cache(cache, layout)
+    num_blocks, block_size, num_heads, _ = cache.shape
+    C.check_slot_mapping(slot_mapping, slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1 else -1, num_blocks * block_size, cache.device)
+    flat = cache.view(num_blocks * block_size, num_heads, layout.slot_bytes)
+    slots = flat[slot_mapping.long().clamp_min(0)]
+    slots = torch.where((slot_mapping >= 0).view(-1, 1, 1), slots, torch.zeros_like(slots))
+    return slots[..., : layout.key_code_bytes], slots[..., layout.key_code_bytes :]

@@ -1,0 +1,60 @@
+"""Random rotations applied before the MSE codec quantizes a vector.
+
+Convention used everywhere in kvlab: a row vector ``x`` is rotated as ``y = x @ R`` and rotated
+back as ``x = y @ R.T``. Both constructions below are built on the CPU in float64 from a seeded
+generator and only then cast and moved, so a seed gives the same matrix on every device.
+
+* ``haar``: a Haar-random orthogonal matrix, the Q factor of a Gaussian matrix with the signs of
+  R's diagonal folded into Q (without that correction QR's output is not uniformly distributed).
+* ``hadamard``: a randomized Hadamard transform ``R = diag(s) H / sqrt(dim)`` with ``s`` random
+  signs and ``H`` the Sylvester Walsh-Hadamard matrix; ``dim`` must be a power of two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KINDS", "haar", "hadamard", "rotation_matrix"]
+
+KINDS = ("haar", "hadamard")
+
+
+def _generator(seed: int) -> torch.Generator:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _check_dim(dim) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if dim < 3:
+        raise ValueError(f"dim must be >= 3, got {dim}")
+
+
+def haar(dim: int, seed: int = 0) -> torch.Tensor:
+    """Haar-random orthogonal ``[dim, dim]`` float64 matrix (CPU)."""
+    _check_dim(dim)
+    a = torch.randn(dim, dim, generator=_generator(seed), dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+
+
+def hadamard(dim: int, seed: int = 0) -> torch.Tensor:
+    """Randomized Hadamard ``[dim, dim]`` float64 matrix (CPU); ``dim`` a power of two."""
+    _check_dim(dim)
+    if dim & (dim - 1):
+        raise ValueError(f"dim must be a power of two for the Hadamard rotation, got {dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (dim,), generator=_generator(seed), dtype=torch.int64) * 2 - 1
+    return signs.to(torch.float64).unsqueeze(1) * h / dim**0.5
+
+
+def rotation_matrix(kind: str, dim: int, seed: int = 0, *, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``haar`` or ``hadamard`` matrix, cast to ``dtype`` on ``device``."""
+    if kind not in KINDS:
+        raise ValueError(f"rotation must be one of {KINDS}, got {kind!r}")
+    m = haar(dim, seed) if kind == "haar" else hadamard(dim, seed)
+    return m.to(dtype).to(device)

@@ -1,0 +1,153 @@
+"""The pure-torch reference codecs and the paged layout."""
+
+import math
+
+import pytest
+import torch
+
+import kvlab
+from kvlab.reference import _fp16_bytes, _fp16_from_bytes
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 63, 128, 130])
+def test_pack_roundtrip(bits, n):
+    idx = torch.randint(0, 2**bits, (5, n))
+    packed = kvlab.pack_indices(idx, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, kvlab.packed_bytes(n, bits))
+    assert torch.equal(kvlab.unpack_indices(packed, bits, n), idx)
+
+
+def test_pack_byte_layout():
+    # 4 bit: low nibble first; 2 bit: four per byte from the low bits; 3 bit: bit stream, j at bit 3j.
+    assert kvlab.pack_indices(torch.tensor([1, 2, 15, 0]), 4).tolist() == [0x21, 0x0F]
+    assert kvlab.pack_indices(torch.tensor([1, 2, 3, 0, 3]), 2).tolist() == [0b00111001, 0b11]
+    # 3 bit: [5, 6, 7] -> bits 101 110 111 -> stream (LSB first) 0b111_110_101 -> bytes 0xF5, 0x01
+    assert kvlab.pack_indices(torch.tensor([5, 6, 7]), 3).tolist() == [0xF5, 0x01]
+    assert kvlab.pack_indices(torch.tensor([7] * 8), 3).tolist() == [0xFF, 0xFF, 0xFF]
+
+
+def test_fp16_bytes_little_endian():
+    x = torch.tensor([1.0, -2.5, 65504.0, 0.0, 6e-8], dtype=torch.float16)
+    b = _fp16_bytes(x)
+    assert b[0].tolist() == [0x00, 0x3C] and b[1].tolist() == [0x00, 0xC1]
+    assert torch.equal(_fp16_from_bytes(b), x)
+
+
+@pytest.mark.parametrize("dim, rotation", [(64, "haar"), (128, "hadamard"), (100, "haar"), (256, "hadamard")])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_mse_distortion_matches_lloyd_max(dim, rotation, bits):
+    """Unit vectors: E||u - u_hat||^2 equals dim * mse of the Lloyd-Max quantizer (no norm correction)."""
+    torch.manual_seed(0)
+    u = torch.nn.functional.normalize(torch.randn(4000, dim, dtype=torch.float64), dim=-1).float()
+    codec = kvlab.MSECodec(dim, bits, rotation=rotation, norm_correction=False)
+    d_mse = (codec.decode(codec.encode(u)) - u).square().sum(-1).mean().item()
+    assert d_mse == pytest.approx(dim * codec.quantizer.mse, rel=0.03)
+
+
+def test_mse_code_layout_and_norm():
+    codec = kvlab.MSECodec(128, 4)
+    assert codec.nbytes == 66 and codec.bits_per_element == 4.125
+    assert kvlab.MSECodec(128, 3).bits_per_element == 3.125
+    assert kvlab.MSECodec(100, 3).nbytes == math.ceil(300 / 8) + 2
+    x = torch.randn(3, 5, 128) * 7
+    codes = codec.encode(x)
+    assert codes.shape == (3, 5, 66)
+    norms = _fp16_from_bytes(codes[..., 64:])
+    assert torch.equal(norms, x.norm(dim=-1).half())
+    # rotated and model space agree through the rotation; norm correction keeps the stored norm
+    rot = codec.decode(codes, space="rotated")
+    torch.testing.assert_close(codec.decode(codes), rot @ codec.rotation.T)
+    torch.testing.assert_close(rot.norm(dim=-1), norms.float(), rtol=1e-5, atol=0)
+
+
+def test_mse_norm_correction_keeps_norms_and_zero_vector():
+    """Plain decoding shrinks norms by sqrt(1 - D_mse); norm correction restores them (at some MSE)."""
+    torch.manual_seed(1)
+    x = torch.randn(2000, 128)
+    plain = kvlab.MSECodec(128, 2, norm_correction=False)
+    corrected = kvlab.MSECodec(128, 2, norm_correction=True)
+    assert torch.equal(plain.encode(x), corrected.encode(x))  # only the decoder differs
+    ratio_plain = (plain.decode(plain.encode(x)).norm(dim=-1) / x.norm(dim=-1)).mean().item()
+    ratio_corr = (corrected.decode(corrected.encode(x)).norm(dim=-1) / x.norm(dim=-1)).mean().item()
+    assert ratio_plain == pytest.approx((1 - 128 * plain.quantizer.mse) ** 0.5, rel=5e-3)
+    assert ratio_corr == pytest.approx(1.0, abs=1e-3)
+    z = torch.zeros(1, 128)
+    assert torch.equal(corrected.decode(corrected.encode(z)), z)
+
+
+def test_mse_same_codes_for_every_input_dtype():
+    x = torch.randn(64, 128).half()
+    codec = kvlab.MSECodec(128, 3)
+    assert torch.equal(codec.encode(x), codec.encode(x.float()))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("axis, group_size", [("token", 32), ("token", 128), ("channel", 32), ("channel", 64)])
+def test_affine_error_bounded_by_half_step(bits, axis, group_size):
+    torch.manual_seed(bits)
+    x = torch.randn(2, 128, 128) * torch.rand(1, 1, 128) * 4  # channels of different ranges
+    codec = kvlab.AffineCodec(bits, group_size, axis)
+    codes = codec.encode(x)
+    lead = (2, 128) if axis == "token" else (2, 128 // group_size)
+    assert codes.shape == (*lead, codec.nbytes(128))
+    x_hat = codec.decode(codes, 128)
+    assert x_hat.shape == x.shape
+    g = codec._grouped(x)
+    step = (g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / (2**bits - 1)
+    err = codec._grouped(x_hat - x).abs()
+    # half a quantization step, plus fp16 rounding of scale and zero
+    assert bool((err <= 0.5 * step * (1 + 2**bits * 2e-3) + 2e-3 * g.abs().amax(-1, keepdim=True)).all())
+
+
+def test_affine_scales_are_per_group():
+    """One group with a huge range must not coarsen the others (one scale per group)."""
+    x = torch.randn(4, 128)
+    y = x.clone()
+    y[0, :32] *= 1000
+    codec = kvlab.AffineCodec(4, 32, "token")
+    dx, dy = codec.decode(codec.encode(x), 128), codec.decode(codec.encode(y), 128)
+    assert torch.equal(dx[:, 32:], dy[:, 32:]) and torch.equal(dx[1:], dy[1:])
+
+
+def test_affine_bits_per_element():
+    assert kvlab.AffineCodec(4, 128).bits_per_element == 4.25
+    assert kvlab.AffineCodec(2, 32, "channel").bits_per_element == 3.0
+    codec = kvlab.AffineCodec(3, 64)
+    assert codec.nbytes(128) * 8 / 128 == codec.bits_per_element
+
+
+def test_affine_constant_group_is_exact():
+    x = torch.full((3, 64), 1.25)
+    codec = kvlab.AffineCodec(2, 32)
+    assert torch.equal(codec.decode(codec.encode(x), 64), x)
+
+
+@pytest.mark.parametrize("key_bits, value_bits", [(4, 4), (4, 3), (3, 2), (2, 4)])
+def test_paged_write_read(key_bits, value_bits):
+    torch.manual_seed(0)
+    dim, heads, num_blocks, block_size, tokens = 64, 3, 5, 16, 37
+    layout = kvlab.MSESlot(dim, key_bits, value_bits)
+    kc, vc = kvlab.MSECodec(dim, key_bits), kvlab.MSECodec(dim, value_bits, seed=1)
+    assert layout.slot_bytes == kc.nbytes + vc.nbytes
+    k, v = torch.randn(tokens, heads, dim), torch.randn(tokens, heads, dim)
+    cache = torch.full((num_blocks, block_size, heads, layout.slot_bytes), 0xAB, dtype=torch.uint8)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    slots[[3, 20]] = -1
+    kvlab.write_slots(cache, slots, kc.encode(k), vc.encode(v), layout)
+    # the slot layout: key indices | key norm | value indices | value norm
+    blk, off = divmod(int(slots[0]), block_size)
+    slot = cache[blk, off, 1]
+    assert torch.equal(slot[: layout.key_bytes], kc.encode(k[0, 1])[: layout.key_bytes])
+    assert torch.equal(slot[layout.value_offset : layout.value_norm_offset], vc.encode(v[0, 1])[: layout.value_bytes])
+    k_read, v_read = kvlab.read_slots(cache, slots, layout)
+    keep = slots >= 0
+    assert torch.equal(k_read[keep], kc.encode(k)[keep]) and torch.equal(v_read[keep], vc.encode(v)[keep])
+    assert int((k_read[~keep]).sum()) == 0
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert bool((cache.view(-1, heads, layout.slot_bytes)[untouched] == 0xAB).all())
