@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Execute the book's notebooks with papermill, then build the book.
+
+Every `_toc.yml` entry under `book/executed/` names a notebook: `book/executed/<name>` is
+executed from `notebooks/<name>.ipynb` into `book/executed/<name>.ipynb`. The kernel runs in
+the repository root with the root on PYTHONPATH (so `import kvlab` works), and with
+TRITON_INTERPRET=1 when torch sees no CUDA device (decided once, before any kernel starts).
+
+Notebook defaults are CPU-sized; `--full` passes `-p small False` to every notebook.
+
+A notebook fails when papermill exits non-zero (a dead kernel exits non-zero even when the
+output looks complete) or when the executed copy holds an error output. A failure names the
+notebook and the failing cell, removes that notebook's executed copy from book/executed/
+(the failed run is kept under _build/notebooks/ for inspection) and stops before the book
+build, so no page with a traceback is built.
+
+After all notebooks pass, runs `jupyter-book build --all -W --keep-going .` (skip with
+--no-build).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+TOC = ROOT / "_toc.yml"
+SOURCES = ROOT / "notebooks"
+EXECUTED = ROOT / "book" / "executed"
+WORK = ROOT / "_build" / "notebooks"
+BIN = Path(sys.executable).parent
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class NotebookError(Exception):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"run_notebooks: {msg}", flush=True)
+
+
+def toc_files(node) -> list[str]:
+    """All `file:` entries of a jb-book toc, in order (root, parts, chapters, sections)."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        for key in ("root", "file"):
+            if isinstance(node.get(key), str):
+                found.append(node[key])
+        for value in node.values():
+            if isinstance(value, (list, dict)):
+                found.extend(toc_files(value))
+    elif isinstance(node, list):
+        for item in node:
+            found.extend(toc_files(item))
+    return found
+
+
+def executed_names() -> list[str]:
+    """Notebook names (paths relative to book/executed, without suffix) listed in _toc.yml."""
+    toc = yaml.safe_load(TOC.read_text())
+    prefix = "book/executed/"
+    names = []
+    for entry in toc_files(toc):
+        entry = entry.strip().removesuffix(".ipynb")
+        if entry.startswith(prefix) and entry[len(prefix):] not in names:
+            names.append(entry[len(prefix):])
+    return names
+
+
+def check_parameters_cell(name: str, src: Path) -> None:
+    nb = json.loads(src.read_text())
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
+            source = "".join(cell.get("source", ""))
+            if re.search(r"^\s*small\s*=", source, re.M):
+                return
+            raise NotebookError(f"{name}: the cell tagged 'parameters' does not define `small`")
+    raise NotebookError(f"{name}: no code cell tagged 'parameters' (it must define `small`)")
+
+
+def kernel_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(BIN), env.get("PATH", "")))
+    env.setdefault("JUPYTER_PLATFORM_DIRS", "1")
+    env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    if "TRITON_INTERPRET" not in env:
+        probe = subprocess.run(
+            [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"],
+            capture_output=True, text=True, env=env,
+        )
+        if probe.returncode != 0:
+            raise NotebookError(f"cannot import torch to look for a GPU:\n{probe.stderr.strip()}")
+        if probe.stdout.strip() != "1":
+            env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def error_outputs(nb: dict) -> list[tuple[int, dict, dict]]:
+    """(cell index, cell, output) for every error output of a notebook."""
+    found = []
+    for i, cell in enumerate(nb.get("cells", [])):
+        for out in cell.get("outputs", []) or []:
+            if out.get("output_type") == "error":
+                found.append((i, cell, out))
+    return found
+
+
+PAPERMILL_TAGS = {"papermill-error-cell-tag", "injected-parameters"}
+
+
+def describe_cell(nb: dict, i: int) -> str:
+    """Name cell i of an executed notebook by its position in the source notebook."""
+    cells = nb.get("cells", [])
+    cell = cells[i]
+    tags = set(cell.get("metadata", {}).get("tags", []))
+    count = cell.get("execution_count")
+    label = f"In [{count}]" if count is not None else "not executed"
+    if "injected-parameters" in tags:
+        return f"the injected parameters cell ({label})"
+    index = sum(1 for c in cells[:i] if not PAPERMILL_TAGS & set(c.get("metadata", {}).get("tags", [])))
+    return f"cell {index} ({label}; cells counted from 0)"
+
+
+def raising_line(out: dict) -> str | None:
+    """The source line marked by the traceback's arrow in the deepest frame, if any."""
+    line = None
+    for frame in out.get("traceback", []):
+        for text in ANSI.sub("", frame).splitlines():
+            m = re.match(r"^\s*-+>\s*(\d+)\s?(.*)$", text)
+            if m:
+                line = f"line {m.group(1)}: {m.group(2).strip()}"
+    return line
+
+
+def diagnose(nb: dict | None) -> str:
+    if nb is None:
+        return "no executed notebook was written"
+    errors = error_outputs(nb)
+    if errors:
+        i, cell, out = errors[0]
+        msg = f"{describe_cell(nb, i)} raised {out.get('ename')}: {ANSI.sub('', str(out.get('evalue')))}"
+        where = raising_line(out)
+        return msg + (f"\n    at {where}" if where else "")
+    # No error output: a dead kernel or a timeout. papermill may still mark every cell as
+    # completed; the culprit is the last cell that was started.
+    cells = nb.get("cells", [])
+    started = [i for i, c in enumerate(cells) if c.get("cell_type") == "code"
+               and c.get("metadata", {}).get("papermill", {}).get("start_time")]
+    if started:
+        return (f"{describe_cell(nb, started[-1])}, the last cell started, did not finish: "
+                "the kernel died or the cell timed out")
+    return "no cell was executed"
+
+
+def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
+    src = SOURCES / f"{name}.ipynb"
+    dst = EXECUTED / f"{name}.ipynb"
+    tmp = WORK / f"{name}.ipynb"
+    logfile = WORK / f"{name}.log"
+    if not src.is_file():
+        raise NotebookError(f"{name}: _toc.yml lists book/executed/{name} but {src.relative_to(ROOT)} does not exist")
+    check_parameters_cell(name, src)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "papermill", str(src), str(tmp),
+           "--cwd", str(ROOT), "--kernel", "python3", "--no-progress-bar",
+           "--log-level", "WARNING", *params]
+    start = time.monotonic()
+    with open(logfile, "w") as fh:
+        rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    elapsed = time.monotonic() - start
+    nb = json.loads(tmp.read_text()) if tmp.is_file() else None
+    failed = rc != 0 or nb is None or bool(error_outputs(nb))
+    if failed:
+        dst.unlink(missing_ok=True)
+        tail = "\n".join("      " + l for l in ANSI.sub("", logfile.read_text()).splitlines()[-15:])
+        raise NotebookError(
+            f"notebook {src.relative_to(ROOT)} FAILED after {elapsed:.1f}s (papermill exit code {rc})\n"
+            f"  {diagnose(nb)}\n"
+            f"  executed copy kept at {tmp.relative_to(ROOT)}, log at {logfile.relative_to(ROOT)}\n"
+            f"  last lines of the log:\n{tail}"
+        )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(tmp, dst)
+    log(f"{src.relative_to(ROOT)} -> {dst.relative_to(ROOT)} ok ({elapsed:.1f}s)")
+
+
+def build_book() -> None:
+    jb = BIN / "jupyter-book"
+    cmd = [str(jb) if jb.exists() else "jupyter-book", "build", "--all", "-W", "--keep-going", "."]
+    log("$ " + " ".join(["jupyter-book", *cmd[1:]]))
+    start = time.monotonic()
+    env = dict(os.environ, PYDEVD_DISABLE_FILE_VALIDATION="1")
+    env.setdefault("JUPYTER_PLATFORM_DIRS", "1")
+    rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    if rc != 0:
+        raise NotebookError(f"jupyter-book build failed (exit code {rc})")
+    log(f"book built in {time.monotonic() - start:.1f}s: {(ROOT / '_build' / 'html' / 'index.html').relative_to(ROOT)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="run only these notebooks (names under book/executed/)")
+    ap.add_argument("--full", action="store_true", help="full-size run: pass `-p small False` to every notebook")
+    ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                    help="extra papermill parameter for every notebook (repeatable)")
+    ap.add_argument("--no-build", action="store_true", help="execute the notebooks only")
+    args = ap.parse_args()
+
+    try:
+        names = executed_names()
+        if args.names:
+            unknown = sorted(set(args.names) - set(names))
+            if unknown:
+                raise NotebookError(f"not in _toc.yml under book/executed/: {', '.join(unknown)}")
+            names = [n for n in names if n in args.names]
+        params: list[str] = ["-p", "small", "False"] if args.full else []
+        for key, value in args.parameter:
+            params += ["-p", key, value]
+        env = kernel_env()
+        log(f"{len(names)} notebook(s); TRITON_INTERPRET={env.get('TRITON_INTERPRET', '(unset)')}; "
+            f"parameters: {' '.join(params) or '(notebook defaults)'}")
+        for name in names:
+            run_notebook(name, env, params)
+        if not args.no_build:
+            build_book()
+    except NotebookError as exc:
+        print(f"run_notebooks: ERROR: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
