@@ -1,0 +1,305 @@
+"""Triton MSE kernels (kvlab.mse) against the pure-torch reference (kvlab.reference).
+
+``store_mse`` must produce the reference's cache bytes exactly (the whole cache is compared, so
+untouched and skipped slots are checked too); ``load_mse`` must match ``MSECodec.decode`` to fp16
+precision (exactly where no summation is involved).
+"""
+
+import functools
+
+import pytest
+import torch
+
+import kvlab
+from kvlab.mse import load_mse, store_mse, unpack_values_model_space, unpack_values_rotated
+
+SENTINEL = 0xAB
+
+# tokens, heads, dim, key_bits, value_bits, rotation, input dtype, block_size
+CASES = [
+    (1, 1, 64, 4, 4, "hadamard", torch.float16, 16),
+    (37, 3, 128, 4, 3, "haar", torch.bfloat16, 16),
+    (301, 8, 128, 3, 2, "hadamard", torch.float16, 16),
+    (37, 8, 256, 2, 4, "hadamard", torch.float32, 8),
+    (64, 3, 96, 3, 3, "haar", torch.float32, 16),
+    (37, 1, 80, 2, 2, "haar", torch.float16, 5),
+    (13, 2, 100, 4, 2, "haar", torch.bfloat16, 7),
+    (301, 3, 64, 2, 3, "haar", torch.bfloat16, 32),
+    (37, 3, 75, 3, 4, "haar", torch.float32, 16),  # odd dim: the last byte is partly padding
+]
+IDS = [f"t{c[0]}-h{c[1]}-d{c[2]}-k{c[3]}v{c[4]}-{c[5]}-{str(c[6])[6:]}" for c in CASES]
+
+
+def rel_err(a, b):
+    err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    if err > 1e-3:
+        print(f"rel_err {err:.3e}, max abs diff {(a.double() - b.double()).abs().max().item():.3e}")
+    return err
+
+
+@functools.lru_cache(maxsize=None)
+def codecs(dim, key_bits, value_bits, rotation, norm_correction=True):
+    return (
+        kvlab.MSECodec(dim, key_bits, rotation=rotation, seed=1, norm_correction=norm_correction),
+        kvlab.MSECodec(dim, value_bits, rotation=rotation, seed=2, norm_correction=norm_correction),
+    )
+
+
+def make_batch(case, device, seed=0, norm_correction=True):
+    """Inputs, a sentinel-filled cache, slots (some -1) and the reference cache."""
+    tokens, heads, dim, kb, vb, rotation, dtype, block_size = case
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = codecs(dim, kb, vb, rotation, norm_correction)
+    layout = kvlab.MSESlot(dim, kb, vb)
+    scale = torch.rand(tokens, heads, 1, generator=g) * 20 + 0.01  # norms from ~0.1 to ~2000
+    key = (torch.randn(tokens, heads, dim, generator=g) * scale).to(dtype)
+    value = (torch.randn(tokens, heads, dim, generator=g) * scale.flip(0)).to(dtype)
+    key[tokens // 2, 0] = 0  # a zero vector: norm 0
+    num_blocks = (tokens + 2 * block_size) // block_size + 1
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    if tokens > 2:
+        slots[[1, tokens - 2]] = -1
+    cache = torch.full((num_blocks, block_size, heads, layout.slot_bytes), SENTINEL, dtype=torch.uint8)
+    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
+    ref = cache.clone()
+    kvlab.write_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
+    return key, value, slots, cache, ref, kc, vc, layout
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_store_matches_reference_bytes(case, device):
+    key, value, slots, cache, ref, kc, vc, _ = make_batch(case, device)
+    store_mse(key, value, slots, cache, kc, vc, block_rows=64)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("space", ["rotated", "model"])
+def test_load_matches_reference_decode(case, space, device):
+    key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
+    k_codes, v_codes = kvlab.read_slots(ref, slots, layout)
+    keep = (slots >= 0).view(-1, 1, 1)
+    for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
+        out = load_mse(ref, slots, codec, part=part, space=space, block_rows=64)
+        assert out.dtype == torch.float16 and out.shape == key.shape
+        expected = torch.where(keep, codec.decode(codes, space), 0.0)
+        assert not out.isnan().any()
+        assert rel_err(out, expected) <= 1e-3
+        assert torch.equal(out[~keep.view(-1)], torch.zeros_like(out[~keep.view(-1)]))
+
+
+@pytest.mark.parametrize("case", CASES[1::3], ids=IDS[1::3])
+def test_load_exact_without_norm_correction(case, device):
+    """Without renormalisation decoding is centroid * fp16 norm: no sum, so the result is exact."""
+    key, value, slots, _, ref, kc, vc, layout = make_batch(case, device, norm_correction=False)
+    k_codes, v_codes = kvlab.read_slots(ref, slots, layout)
+    keep = (slots >= 0).view(-1, 1, 1)
+    for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
+        expected = torch.where(keep, codec.decode(codes, "rotated"), 0.0)
+        for out_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            out = load_mse(ref, slots, codec, part=part, out_dtype=out_dtype, block_rows=128)
+            assert torch.equal(out, expected.to(out_dtype))
+
+
+def test_roundtrip_store_then_load(device):
+    """What the store writes, the load reads back: same result as decoding the reference codes."""
+    case = CASES[1]
+    key, value, slots, cache, ref, kc, vc, layout = make_batch(case, device, seed=3)
+    store_mse(key, value, slots, cache, kc, vc)
+    k_codes, v_codes = kvlab.read_slots(ref, slots, layout)
+    keep = (slots >= 0).view(-1, 1, 1)
+    out = unpack_values_model_space(cache, slots, vc, out_dtype=torch.float32)
+    assert rel_err(out, torch.where(keep, vc.decode(v_codes), 0.0)) <= 1e-5
+    out = unpack_values_rotated(cache, slots, vc)
+    assert torch.equal(out, load_mse(cache, slots, vc, part="value"))
+    # and the round trip is close to the input: 4-bit keys
+    rel = rel_err(load_mse(cache, slots, kc, space="model", out_dtype=torch.float32)[keep.view(-1)], key[keep.view(-1)].float())
+    assert rel < 0.15
+
+
+@pytest.mark.parametrize("block_rows, num_warps", [(1, 1), (4, 2), (32, 4), (256, 8)])
+def test_tunables_do_not_change_results(block_rows, num_warps, device):
+    key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[6], device)
+    store_mse(key, value, slots, cache, kc, vc, block_rows=block_rows, num_warps=num_warps)
+    assert torch.equal(cache, ref)
+    out = load_mse(cache, slots, vc, part="value", block_rows=block_rows, num_warps=num_warps)
+    assert torch.equal(out, load_mse(cache, slots, vc, part="value"))
+
+
+def test_int32_slot_mapping(device):
+    key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[1], device)
+    store_mse(key, value, slots.int(), cache, kc, vc)
+    assert torch.equal(cache, ref)
+    assert torch.equal(load_mse(cache, slots.int(), kc), load_mse(cache, slots, kc))
+
+
+def test_strided_cache_view(device):
+    """A cache that is a view (one layer of a bigger tensor, some heads of it) uses its strides."""
+    tokens, heads, dim, kb, vb, rotation, dtype, block_size = case = CASES[1]
+    key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
+    num_blocks = ref.shape[0]
+    buf = torch.full((2, num_blocks, block_size, heads + 2, layout.slot_bytes), SENTINEL, dtype=torch.uint8, device=device)
+    cache = buf[1, :, :, 1 : heads + 1]
+    assert not cache.is_contiguous()
+    store_mse(key, value, slots, cache, kc, vc)
+    assert torch.equal(cache, ref)
+    untouched = torch.ones_like(buf, dtype=torch.bool)
+    untouched[1, :, :, 1 : heads + 1] = False
+    assert bool((buf[untouched] == SENTINEL).all())
+    assert torch.equal(load_mse(cache, slots, vc, part="value"), load_mse(ref, slots, vc, part="value"))
+
+
+def test_addresses_beyond_int32(device):
+    """Slots at the end of a cache of more than 2**31 bytes: every offset needs int64 arithmetic.
+
+    ``torch.empty_strided`` (not poisoned by conftest) leaves the pages untouched, so on the CPU only
+    the written pages are ever backed by memory.
+    """
+    tokens, heads, dim, block_size = 9, 2, 64, 16
+    kc, vc = codecs(dim, 4, 3, "hadamard")
+    layout = kvlab.MSESlot(dim, 4, 3)
+    block_bytes = block_size * heads * layout.slot_bytes
+    num_blocks = 2**31 // block_bytes + 2
+    cache = torch.empty_strided(
+        (num_blocks, block_size, heads, layout.slot_bytes),
+        (block_bytes, heads * layout.slot_bytes, layout.slot_bytes, 1),
+        dtype=torch.uint8,
+        device=device,
+    )
+    assert cache.numel() > 2**31
+    g = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(tokens, heads, dim, generator=g).to(device) for _ in range(2))
+    slots = torch.arange(num_blocks * block_size - tokens, num_blocks * block_size, device=device)
+    slots[4] = -1
+    store_mse(key, value, slots, cache, kc, vc)
+    keep = slots >= 0
+    written = cache.view(-1, heads, layout.slot_bytes)[slots[keep]]
+    assert torch.equal(written, torch.cat([kc.encode(key), vc.encode(value)], -1)[keep])
+    out = load_mse(cache, slots, vc, part="value", space="rotated", out_dtype=torch.float32)
+    assert rel_err(out[keep], vc.decode(vc.encode(value), "rotated")[keep]) <= 1e-5
+
+
+def test_padding_rows_are_not_checked_or_written(device):
+    key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[1], device)
+    key[1] = float("nan")  # token 1 has slot -1
+    value[1] = float("inf")
+    store_mse(key, value, slots, cache, kc, vc)
+    assert torch.equal(cache, ref)
+
+
+def test_check_false_skips_out_of_range_slots(device):
+    key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[1], device)
+    num_slots = cache.shape[0] * cache.shape[1]
+    bad = slots.clone()
+    bad[1], bad[-2] = num_slots, num_slots + 1000  # the padding tokens now point outside the cache
+    store_mse(key, value, bad, cache, kc, vc, check=False)
+    assert torch.equal(cache, ref)
+    out = load_mse(cache, bad, kc, check=False)
+    assert torch.equal(out, load_mse(cache, slots, kc))  # out-of-range rows read as zeros
+
+
+def test_empty_batch(device):
+    key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[1], device)
+    store_mse(key[:0], value[:0], slots[:0], cache, kc, vc)
+    assert bool((cache == SENTINEL).all())
+    assert load_mse(cache, slots[:0], kc).shape == (0, key.shape[1], key.shape[2])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+LAYOUT = kvlab.MSESlot(64, 4, 3)
+KC, VC = codecs(64, 4, 3, "haar")
+
+
+class _FakeCodec:
+    def __init__(self, **changes):
+        for attr in ("dim", "bits", "rotation", "boundaries", "centroids", "norm_correction"):
+            setattr(self, attr, changes.get(attr, getattr(KC, attr)))
+
+
+def _args(**changes):
+    args = dict(
+        key=torch.randn(3, 2, 64),
+        value=torch.randn(3, 2, 64),
+        slot_mapping=torch.tensor([0, 5, -1]),
+        cache=torch.zeros(2, 4, 2, LAYOUT.slot_bytes, dtype=torch.uint8),
+        key_codec=KC,
+        value_codec=VC,
+    )
+    args.update(changes)
+    return args
+
+
+def _store(**changes):
+    store_mse(**_args(**changes))
+
+
+def _load(**changes):
+    args = dict(cache=_args()["cache"], slot_mapping=torch.tensor([0, 5, -1]), codec=VC, part="value")
+    args.update(changes)
+    return load_mse(**args)
+
+
+def _big_norm():
+    key = torch.randn(3, 2, 64)
+    key[0, 1] = 1e4  # norm 8e4 > 65504
+    return key
+
+
+def _nan_value():
+    value = torch.randn(3, 2, 64)
+    value[1, 0, 7] = float("nan")
+    return value
+
+
+BAD = [
+    ("key_codec bits", lambda: _store(key_codec=_FakeCodec(bits=5)), ValueError, "key_codec.bits"),
+    ("key_codec not a codec", lambda: _store(key_codec="mse"), TypeError, "key_codec"),
+    ("value_codec dim", lambda: _store(value_codec=codecs(128, 3, 3, "haar")[0]), ValueError, "value_codec.dim"),
+    ("key int dtype", lambda: _store(key=torch.ones(3, 2, 64, dtype=torch.int32)), TypeError, "key must have dtype"),
+    ("key 2-D", lambda: _store(key=torch.ones(6, 64)), ValueError, "key must have shape"),
+    ("value shape", lambda: _store(value=torch.ones(3, 1, 64)), ValueError, "value must have the shape"),
+    ("cache dtype", lambda: _store(cache=torch.zeros(2, 4, 2, LAYOUT.slot_bytes)), TypeError, "cache must have dtype"),
+    ("cache slot_bytes", lambda: _store(cache=torch.zeros(2, 4, 2, LAYOUT.slot_bytes + 1, dtype=torch.uint8)), ValueError, "cache must have shape"),
+    ("cache heads", lambda: _store(cache=torch.zeros(2, 4, 3, LAYOUT.slot_bytes, dtype=torch.uint8)), ValueError, "cache must have shape"),
+    (
+        "cache bytes not contiguous",
+        lambda: _store(cache=torch.zeros(2, 4, LAYOUT.slot_bytes, 2, dtype=torch.uint8).transpose(2, 3)),
+        ValueError,
+        "cache must be contiguous",
+    ),
+    ("key on another device", lambda: _store(key=torch.randn(3, 2, 64, device="meta")), ValueError, "key on meta"),
+    ("slot_mapping on another device", lambda: _store(slot_mapping=torch.zeros(3, dtype=torch.int64, device="meta")), ValueError, "slot_mapping on meta"),
+    ("slot_mapping float", lambda: _store(slot_mapping=torch.zeros(3)), TypeError, "slot_mapping"),
+    ("slot_mapping length", lambda: _store(slot_mapping=torch.tensor([0, 1])), ValueError, "slot_mapping must have shape"),
+    ("slot out of range", lambda: _store(slot_mapping=torch.tensor([0, 8, -1])), ValueError, "slot_mapping values"),
+    ("slot below -1", lambda: _store(slot_mapping=torch.tensor([0, -2, 1])), ValueError, "slot_mapping values"),
+    ("key NaN", lambda: _store(key=torch.full((3, 2, 64), float("nan"))), ValueError, "key holds NaN or Inf"),
+    ("value NaN", lambda: _store(value=_nan_value()), ValueError, "value holds NaN or Inf"),
+    ("key Inf", lambda: _store(key=torch.full((3, 2, 64), float("-inf"))), ValueError, "key holds NaN or Inf"),
+    ("key norm overflows fp16", lambda: _store(key=_big_norm()), ValueError, "key has vectors with norm above"),
+    ("block_rows not a power of two", lambda: _store(block_rows=24), ValueError, "block_rows"),
+    ("check not a bool", lambda: _store(check=1), TypeError, "check"),
+    ("load part", lambda: _load(part="query"), ValueError, "part"),
+    ("load space", lambda: _load(space="world"), ValueError, "space"),
+    ("load out_dtype", lambda: _load(out_dtype=torch.int8), TypeError, "out_dtype"),
+    ("load codec does not fit cache", lambda: _load(codec=codecs(128, 3, 3, "haar")[0]), ValueError, "slot_bytes"),
+    ("load slot out of range", lambda: _load(slot_mapping=torch.tensor([0, 8])), ValueError, "slot_mapping values"),
+    ("load slot_mapping 2-D", lambda: _load(slot_mapping=torch.zeros(2, 2, dtype=torch.int64)), ValueError, "slot_mapping"),
+    ("load num_warps", lambda: _load(num_warps=3), ValueError, "num_warps"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's fp16 cast of a too-large norm
+@pytest.mark.parametrize("name, call, error, match", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(name, call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_reference_raises_the_same_errors():
+    """The kernel's value errors are the reference's (same type, same argument named)."""
+    with pytest.raises(ValueError, match="norm above"):
+        KC.encode(_big_norm())
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        VC.encode(_nan_value())
