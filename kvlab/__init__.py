@@ -19,3 +19,11 @@ __all__ = [
     "unpack_indices",
     "write_slots",
 ]
+
+from .mse import load_mse, store_mse  # noqa: E402  Triton kernels of the MSE codec in the paged cache
+
+__all__ += ["load_mse", "store_mse"]
+
+from .affine import MixedAffineLayout, pack_affine, pack_affine_mixed, unpack_affine, unpack_affine_mixed  # noqa: E402  Triton kernels of the affine codec
+
+__all__ += ["MixedAffineLayout", "pack_affine", "pack_affine_mixed", "unpack_affine", "unpack_affine_mixed"]

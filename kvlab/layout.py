@@ -27,6 +27,21 @@ the packed indices of all ``dim`` elements, then one fp16 scale per group, then 
 group (groups of ``group_size`` consecutive channels). With ``axis="channel"`` one code covers
 ``group_size`` consecutive tokens: their ``group_size`` rows of packed indices, then ``dim`` fp16
 scales and ``dim`` fp16 zeros (one per channel).
+
+Mixed precision per head (``kvlab.affine.MixedAffineLayout(bit_alloc, dim, group_size)``): a layer's
+K (or V) ``[num_tokens, num_heads, dim]`` with ``bit_alloc[h]`` bits for head ``h`` (2, 3, 4 or 8)
+and token-axis groups is one uint8 tensor ``[num_tokens, bytes_per_token]``. Row ``t`` holds the
+heads' token-axis affine codes in head order, each exactly ``AffineCodec(bit_alloc[h],
+group_size).encode(x[t, h])``, back to back with no padding::
+
+    head 0 [indices | scales | zeros] | head 1 [indices | scales | zeros] | ... | head H-1 [...]
+
+``head_bytes[h] = packed_bytes(dim, bit_alloc[h]) + 4 dim / group_size``, ``head_offsets[h] =
+head_bytes[0] + ... + head_bytes[h-1]`` (a small table computed once from ``bit_alloc``), and
+``bytes_per_token = sum(head_bytes)``: a 4-bit head costs half the index bytes of an 8-bit one in
+every row. E.g. ``bit_alloc = [4, 8, 4, 8]``, ``dim = 128``, ``group_size = 32``: heads of 80 and
+144 bytes at offsets 0, 80, 224, 304; 448 bytes per token, against 1024 in fp16 and 576 if every head
+were padded to the 8-bit code.
 """
 
 from __future__ import annotations
