@@ -1,0 +1,907 @@
+"""Triton kernels for the affine codec: asymmetric min/max quantization with a fp16 scale and zero per group.
+
+What
+    ``pack_affine`` / ``unpack_affine`` encode and decode exactly what ``kvlab.reference.AffineCodec``
+    does (same bytes, ``torch.equal``), for 2, 3, 4 and 8 bits, with groups of ``group_size``
+    channels of a token (``axis="token"``) or ``group_size`` tokens of a channel (``axis="channel"``).
+    ``pack_affine_mixed`` / ``unpack_affine_mixed`` encode a layer's K (or V) ``[tokens, heads, dim]``
+    with a bit width per head (``MixedAffineLayout``), in one launch, without padding a head to the
+    widest one.
+
+    Per group, in fp32: ``scale = fp16((max - min) / (2**bits - 1))``, ``zero = fp16(min)``,
+    ``q = clamp(floor((x - zero) / scale + 1/2), 0, 2**bits - 1)`` (``/ 1`` where ``scale == 0``), with
+    IEEE division (``div_rn``) so the codes are bit-exact; decoding is ``q * scale + zero`` in fp32,
+    then cast to ``out_dtype``.
+
+Layout
+    As ``kvlab.layout`` states it: a token-axis code is ``[indices | scales | zeros]`` of one vector, a
+    channel-axis code is ``group_size`` rows of packed indices then ``dim`` scales and ``dim`` zeros;
+    a mixed code is the per-head token-axis codes of a token, concatenated in head order.
+
+How
+    Every program owns a tile of whole groups: ``[BLOCK_ROWS, groups, group_size]`` for the token axis
+    (``BLOCK_ROWS`` vectors), ``[BLOCK_GROUPS, group_size, dim]`` for the channel axis (``BLOCK_GROUPS``
+    codes). It loads the tile once, reduces min/max per group in registers, quantizes, and builds each
+    output byte from its source fields (``tl.split`` of the code tile, shifts and ors), so a vector is
+    read once and its code written once: per fp16 vector of ``dim`` elements ``2 dim`` bytes in and
+    ``bits dim / 8 + 4 dim / group_size`` bytes out. Sizes that are not powers of two are padded to one
+    and masked. All address arithmetic is int64. With ``check=True`` each program also writes a flag
+    (NaN/Inf input, fp16 overflow of a scale or zero) that the launcher reads once after the launch;
+    ``check=False`` skips that host sync.
+
+Reference
+    ``kvlab.reference.AffineCodec`` (this module does not import it); tests in
+    ``tests/test_affine_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _checks as C
+from .layout import packed_bytes
+
+__all__ = [
+    "MixedAffineLayout",
+    "affine_code_bytes",
+    "pack_affine",
+    "pack_affine_mixed",
+    "unpack_affine",
+    "unpack_affine_mixed",
+]
+
+PACK_BITS = (2, 3, 4, 8)
+AXES = ("token", "channel")
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |x| <= FP32_MAX: finite (NaN compares false)
+FP16_MAX = tl.constexpr(C.FP16_MAX)
+INF = tl.constexpr(float("inf"))
+FLAG_NONFINITE = tl.constexpr(1)  # a program's tile holds NaN or Inf
+FLAG_OVERFLOW = tl.constexpr(2)  # a group's scale or zero overflows fp16
+TILE_ELEMENTS = 4096  # default tile: elements per program
+
+
+# ----------------------------------------------------------------------------- bit fields
+
+
+@triton.jit
+def _byte_lanes(NB: tl.constexpr, BITS: tl.constexpr):
+    """Lane ``l`` of a packed row ``[NB]`` -> (byte offset in the row, lane holds a byte).
+
+    2, 4, 8 bit: lane l is byte l. 3 bit: 8 codes fill 3 bytes, kept in 4 lanes (the 4th unused).
+    """
+    o_l = tl.arange(0, NB)
+    if BITS == 3:
+        return (o_l // 4) * 3 + o_l % 4, o_l % 4 < 3
+    else:
+        return o_l, o_l < NB
+
+
+@triton.jit
+def _pack_rows(b_q, BITS: tl.constexpr):
+    """Codes ``[M, N]`` (int32 < 2**BITS, N a multiple of 8) -> packed lanes ``[M, NB]`` uint8.
+
+    Code j sits at bit ``BITS * j`` of a little-endian stream; see ``_byte_lanes`` for lane -> byte.
+    """
+    M: tl.constexpr = b_q.shape[0]
+    N: tl.constexpr = b_q.shape[1]
+    if BITS == 8:
+        return b_q.to(tl.uint8)
+    elif BITS == 4:
+        b_0, b_1 = tl.split(tl.reshape(b_q, [M, N // 2, 2]))  # [M, N/2] each: j % 2 = 0, 1
+        return (b_0 | (b_1 << 4)).to(tl.uint8)
+    elif BITS == 2:
+        # j % 4 = 2 c1 + c0 -> [M, N/4, c1, c0]; split c0, then c1
+        b_e, b_o = tl.split(tl.reshape(b_q, [M, N // 4, 2, 2]))
+        b_0, b_2 = tl.split(b_e)
+        b_1, b_3 = tl.split(b_o)
+        return (b_0 | (b_1 << 2) | (b_2 << 4) | (b_3 << 6)).to(tl.uint8)
+    else:
+        # 8 codes -> one 24-bit word -> 3 bytes; j % 8 = 4 c2 + 2 c1 + c0 -> [M, N/8, c2, c1, c0]
+        b_c0, b_c1 = tl.split(tl.reshape(b_q, [M, N // 8, 2, 2, 2]))
+        b_00, b_10 = tl.split(b_c0)  # c0 = 0: c1 = 0 (j = 0, 4), c1 = 1 (j = 2, 6)
+        b_01, b_11 = tl.split(b_c1)
+        b_0, b_4 = tl.split(b_00)
+        b_2, b_6 = tl.split(b_10)
+        b_1, b_5 = tl.split(b_01)
+        b_3, b_7 = tl.split(b_11)
+        b_w = b_0 | (b_1 << 3) | (b_2 << 6) | (b_3 << 9) | (b_4 << 12) | (b_5 << 15) | (b_6 << 18) | (b_7 << 21)
+        b_lane0 = tl.join(b_w & 0xFF, b_w >> 16)  # lanes 0, 2
+        b_lane1 = tl.join((b_w >> 8) & 0xFF, tl.zeros_like(b_w))  # lanes 1, 3
+        return tl.reshape(tl.join(b_lane0, b_lane1), [M, N // 2]).to(tl.uint8)  # [M, N/8, 2, 2] -> lanes
+
+
+@triton.jit
+def _unpack_rows(b_p, N: tl.constexpr, BITS: tl.constexpr):
+    """Packed lanes ``[M, NB]`` uint8 -> codes ``[M, N]`` int32 (inverse of ``_pack_rows``)."""
+    M: tl.constexpr = b_p.shape[0]
+    b_b = b_p.to(tl.int32)
+    if BITS == 8:
+        return b_b
+    elif BITS == 4:
+        return tl.reshape(tl.join(b_b & 0xF, b_b >> 4), [M, N])
+    elif BITS == 2:
+        b_e = tl.join(b_b & 0x3, (b_b >> 4) & 0x3)  # j % 4 = 0, 2
+        b_o = tl.join((b_b >> 2) & 0x3, b_b >> 6)  # j % 4 = 1, 3
+        return tl.reshape(tl.join(b_e, b_o), [M, N])
+    else:
+        b_c0, b_c1 = tl.split(tl.reshape(b_b, [M, N // 8, 2, 2]))  # lanes 0, 2 | lanes 1, 3
+        b_0, b_2 = tl.split(b_c0)
+        b_1, b_3 = tl.split(b_c1)
+        b_w = b_0 | (b_1 << 8) | (b_2 << 16)  # [M, N/8] 24-bit words
+        b_00 = tl.join(b_w & 0x7, (b_w >> 12) & 0x7)  # j = 0, 4
+        b_10 = tl.join((b_w >> 6) & 0x7, (b_w >> 18) & 0x7)  # j = 2, 6
+        b_01 = tl.join((b_w >> 3) & 0x7, (b_w >> 15) & 0x7)  # j = 1, 5
+        b_11 = tl.join((b_w >> 9) & 0x7, b_w >> 21)  # j = 3, 7
+        return tl.reshape(tl.join(tl.join(b_00, b_10), tl.join(b_01, b_11)), [M, N])
+
+
+@triton.jit
+def _fp16_lanes(b_v):
+    """fp16 values ``[...]`` -> their little-endian bytes ``[..., 2]`` uint8."""
+    b_u = b_v.to(tl.uint16, bitcast=True)
+    return tl.join(b_u & 0xFF, b_u >> 8).to(tl.uint8)
+
+
+@triton.jit
+def _fp16_from_lanes(b_b):
+    """Little-endian bytes ``[..., 2]`` uint8 -> fp16 values ``[...]`` as fp32."""
+    b_lo, b_hi = tl.split(b_b)
+    b_u = b_lo.to(tl.uint16) | (b_hi.to(tl.uint16) << 8)
+    return b_u.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------- token axis
+
+
+@triton.jit
+def _pack_token_rows(
+    # pointers: row 0 of x, the first byte of row 0's code, this program's flag
+    x,
+    codes,
+    flag,
+    # sizes and strides
+    i_r,  # first row of the tile (int64)
+    n_rows,
+    stride_x,  # elements between rows of x
+    stride_c,  # bytes between rows of codes
+    # settings
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_GS: tl.constexpr,  # GROUP_SIZE padded to a power of two
+    BLOCK_G: tl.constexpr,  # NUM_GROUPS padded to a power of two
+    CHECK: tl.constexpr,
+):
+    """Encode rows ``[i_r, i_r + BLOCK_ROWS)`` of x into their token-axis codes."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    GROUP_BYTES: tl.constexpr = GROUP_SIZE * BITS // 8
+    INDEX_BYTES: tl.constexpr = NUM_GROUPS * GROUP_BYTES
+    NB: tl.constexpr = BLOCK_GS // 8 * (BITS + (BITS == 3))  # packed lanes per group
+
+    o_r = i_r + tl.arange(0, BLOCK_ROWS)
+    o_g = tl.arange(0, BLOCK_G)
+    o_k = tl.arange(0, BLOCK_GS)
+    m_r = o_r < n_rows
+    # masks carry only what can be false, so full tiles stay vectorised
+    m_x = m_r[:, None, None]
+    m_s = m_r[:, None, None]
+    if BLOCK_G != NUM_GROUPS:
+        m_x = m_x & (o_g < NUM_GROUPS)[None, :, None]
+        m_s = m_s & (o_g < NUM_GROUPS)[None, :, None]
+    if BLOCK_GS != GROUP_SIZE:
+        m_x = m_x & (o_k < GROUP_SIZE)[None, None, :]
+
+    p_x = x + o_r[:, None, None] * stride_x + (o_g * GROUP_SIZE)[:, None] + o_k[None, :]
+    b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)  # [BLOCK_ROWS, BLOCK_G, BLOCK_GS]
+
+    # per-group range; padding lanes of a group must not take part
+    if BLOCK_GS != GROUP_SIZE:
+        b_lo = tl.min(tl.where((o_k < GROUP_SIZE)[None, None, :], b_x, INF), axis=2)
+        b_hi = tl.max(tl.where((o_k < GROUP_SIZE)[None, None, :], b_x, -INF), axis=2)
+    else:
+        b_lo = tl.min(b_x, axis=2)  # [BLOCK_ROWS, BLOCK_G]
+        b_hi = tl.max(b_x, axis=2)
+    b_s16 = tl.math.div_rn(b_hi - b_lo, LEVELS * 1.0).to(tl.float16)
+    b_z16 = b_lo.to(tl.float16)
+    b_s = b_s16.to(tl.float32)
+    b_z = b_z16.to(tl.float32)
+    b_d = tl.where(b_s > 0, b_s, 1.0)
+    # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor
+    b_q = tl.math.div_rn(b_x - b_z[:, :, None], b_d[:, :, None]) + 0.5
+    b_q = tl.clamp(b_q, 0.0, LEVELS * 1.0).to(tl.int32)
+
+    # indices: [BLOCK_ROWS * BLOCK_G, BLOCK_GS] -> packed lanes [BLOCK_ROWS, BLOCK_G, NB]
+    b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_ROWS * BLOCK_G, BLOCK_GS]), BITS), [BLOCK_ROWS, BLOCK_G, NB])
+    o_b, m_b = _byte_lanes(NB, BITS)
+    m_c = m_s
+    if BITS == 3:
+        m_c = m_c & m_b[None, None, :]
+    if BLOCK_GS != GROUP_SIZE:
+        m_c = m_c & (o_b < GROUP_BYTES)[None, None, :]
+    p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + o_b[None, :]
+    tl.store(p_c, b_p, mask=m_c)
+
+    # scales then zeros, little-endian fp16: [BLOCK_ROWS, BLOCK_G, 2]
+    p_s = codes + o_r[:, None, None] * stride_c + INDEX_BYTES + 2 * o_g[:, None] + tl.arange(0, 2)[None, :]
+    tl.store(p_s, _fp16_lanes(b_s16), mask=m_s)
+    tl.store(p_s + 2 * NUM_GROUPS, _fp16_lanes(b_z16), mask=m_s)
+
+    if CHECK:
+        b_bad = tl.where(tl.abs(b_x) <= FP32_MAX, 0, FLAG_NONFINITE)  # NaN compares false
+        b_ovf = tl.where((tl.abs(b_s) > FP16_MAX) | (tl.abs(b_z) > FP16_MAX), FLAG_OVERFLOW, 0)
+        b_flag = tl.max(tl.max(tl.max(b_bad, axis=2), axis=1), axis=0) | tl.max(tl.max(b_ovf, axis=1), axis=0)
+        tl.store(flag, b_flag)
+
+
+@triton.jit
+def _unpack_token_rows(
+    # pointers: the first byte of row 0's code, row 0 of the output
+    codes,
+    out,
+    # sizes and strides
+    i_r,  # first row of the tile (int64)
+    n_rows,
+    stride_c,  # bytes between rows of codes
+    stride_o,  # elements between rows of out
+    # settings
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """Decode the token-axis codes of rows ``[i_r, i_r + BLOCK_ROWS)``."""
+    GROUP_BYTES: tl.constexpr = GROUP_SIZE * BITS // 8
+    INDEX_BYTES: tl.constexpr = NUM_GROUPS * GROUP_BYTES
+    NB: tl.constexpr = BLOCK_GS // 8 * (BITS + (BITS == 3))
+
+    o_r = i_r + tl.arange(0, BLOCK_ROWS)
+    o_g = tl.arange(0, BLOCK_G)
+    o_k = tl.arange(0, BLOCK_GS)
+    m_r = o_r < n_rows
+    m_x = m_r[:, None, None]
+    m_s = m_r[:, None, None]
+    if BLOCK_G != NUM_GROUPS:
+        m_x = m_x & (o_g < NUM_GROUPS)[None, :, None]
+        m_s = m_s & (o_g < NUM_GROUPS)[None, :, None]
+    if BLOCK_GS != GROUP_SIZE:
+        m_x = m_x & (o_k < GROUP_SIZE)[None, None, :]
+
+    o_b, m_b = _byte_lanes(NB, BITS)
+    m_c = m_s
+    if BITS == 3:
+        m_c = m_c & m_b[None, None, :]
+    if BLOCK_GS != GROUP_SIZE:
+        m_c = m_c & (o_b < GROUP_BYTES)[None, None, :]
+    p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + o_b[None, :]
+    b_p = tl.load(p_c, mask=m_c, other=0)  # [BLOCK_ROWS, BLOCK_G, NB]
+    b_q = _unpack_rows(tl.reshape(b_p, [BLOCK_ROWS * BLOCK_G, NB]), BLOCK_GS, BITS)
+    b_q = tl.reshape(b_q, [BLOCK_ROWS, BLOCK_G, BLOCK_GS]).to(tl.float32)
+
+    p_s = codes + o_r[:, None, None] * stride_c + INDEX_BYTES + 2 * o_g[:, None] + tl.arange(0, 2)[None, :]
+    b_s = _fp16_from_lanes(tl.load(p_s, mask=m_s, other=0))  # [BLOCK_ROWS, BLOCK_G]
+    b_z = _fp16_from_lanes(tl.load(p_s + 2 * NUM_GROUPS, mask=m_s, other=0))
+    b_y = b_q * b_s[:, :, None] + b_z[:, :, None]
+
+    p_o = out + o_r[:, None, None] * stride_o + (o_g * GROUP_SIZE)[:, None] + o_k[None, :]
+    tl.store(p_o, b_y.to(out.dtype.element_ty), mask=m_x)
+
+
+@triton.jit
+def affine_pack_token_kernel(
+    # pointers
+    x,  # [n_rows, dim] float, rows stride_x apart
+    codes,  # [n_rows, code_bytes] uint8
+    flags,  # [programs] int32 (written when CHECK)
+    # sizes and strides
+    n_rows,
+    stride_x,
+    stride_c,
+    # settings
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    CHECK: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    _pack_token_rows(
+        x, codes, flags + i_r, i_r * BLOCK_ROWS, n_rows, stride_x, stride_c,
+        BITS, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK,
+    )  # fmt: skip
+
+
+@triton.jit
+def affine_unpack_token_kernel(
+    # pointers
+    codes,  # [n_rows, code_bytes] uint8
+    out,  # [n_rows, dim] out_dtype
+    # sizes and strides
+    n_rows,
+    stride_c,
+    stride_o,
+    # settings
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    _unpack_token_rows(
+        codes, out, i_r * BLOCK_ROWS, n_rows, stride_c, stride_o,
+        BITS, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- mixed bits per head
+
+
+@triton.jit
+def affine_pack_mixed_kernel(
+    # pointers
+    x,  # [n_tokens, num_heads, dim] float, last dim contiguous
+    codes,  # [n_tokens, bytes_per_token] uint8
+    head_bits,  # [num_heads] int32
+    head_offsets,  # [num_heads] int64: byte offset of a head's code in a token's row
+    flags,  # [programs] int32 (written when CHECK)
+    # sizes and strides
+    n_tokens,
+    num_heads,
+    stride_x_t,
+    stride_x_h,
+    stride_c,  # bytes_per_token
+    # settings
+    GROUP_SIZE: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ALIGN: tl.constexpr,  # every head offset is a multiple of ALIGN bytes (a power of two <= 16)
+    CHECK: tl.constexpr,
+):
+    # one program: BLOCK_ROWS tokens of one head; heads vary fastest, so neighbouring programs
+    # read neighbouring heads of the same tokens and write the same rows of codes
+    i_p = tl.program_id(0).to(tl.int64)
+    i_r, i_h = i_p // num_heads, i_p % num_heads
+    b_bits = tl.load(head_bits + i_h)
+    p_x = x + i_h * stride_x_h
+    p_c = codes + tl.multiple_of(tl.load(head_offsets + i_h), ALIGN)
+    o_r = i_r * BLOCK_ROWS
+    # the width is uniform over the program: one branch runs, compiled for its constexpr BITS
+    if b_bits == 2:
+        _pack_token_rows(p_x, p_c, flags + i_p, o_r, n_tokens, stride_x_t, stride_c,
+                         2, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK)  # fmt: skip
+    elif b_bits == 3:
+        _pack_token_rows(p_x, p_c, flags + i_p, o_r, n_tokens, stride_x_t, stride_c,
+                         3, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK)  # fmt: skip
+    elif b_bits == 4:
+        _pack_token_rows(p_x, p_c, flags + i_p, o_r, n_tokens, stride_x_t, stride_c,
+                         4, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK)  # fmt: skip
+    else:
+        _pack_token_rows(p_x, p_c, flags + i_p, o_r, n_tokens, stride_x_t, stride_c,
+                         8, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK)  # fmt: skip
+
+
+@triton.jit
+def affine_unpack_mixed_kernel(
+    # pointers
+    codes,  # [n_tokens, bytes_per_token] uint8
+    out,  # [n_tokens, num_heads, dim] out_dtype, contiguous
+    head_bits,  # [num_heads] int32
+    head_offsets,  # [num_heads] int64
+    # sizes and strides
+    n_tokens,
+    num_heads,
+    stride_c,
+    stride_o_t,
+    stride_o_h,
+    # settings
+    GROUP_SIZE: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    i_p = tl.program_id(0).to(tl.int64)
+    i_r, i_h = i_p // num_heads, i_p % num_heads
+    b_bits = tl.load(head_bits + i_h)
+    p_c = codes + tl.multiple_of(tl.load(head_offsets + i_h), ALIGN)
+    p_o = out + i_h * stride_o_h
+    o_r = i_r * BLOCK_ROWS
+    if b_bits == 2:
+        _unpack_token_rows(p_c, p_o, o_r, n_tokens, stride_c, stride_o_t,
+                           2, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G)  # fmt: skip
+    elif b_bits == 3:
+        _unpack_token_rows(p_c, p_o, o_r, n_tokens, stride_c, stride_o_t,
+                           3, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G)  # fmt: skip
+    elif b_bits == 4:
+        _unpack_token_rows(p_c, p_o, o_r, n_tokens, stride_c, stride_o_t,
+                           4, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G)  # fmt: skip
+    else:
+        _unpack_token_rows(p_c, p_o, o_r, n_tokens, stride_c, stride_o_t,
+                           8, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- channel axis
+
+
+@triton.jit
+def affine_pack_channel_kernel(
+    # pointers
+    x,  # [n_codes * GROUP_SIZE, DIM] float, contiguous
+    codes,  # [n_codes, GROUP_SIZE * ROW_BYTES + 4 * DIM] uint8
+    flags,  # [programs] int32 (written when CHECK)
+    # sizes
+    n_codes,  # token groups: (product of leading dims) * tokens / GROUP_SIZE
+    # settings
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_CODES: tl.constexpr,
+    BLOCK_GS: tl.constexpr,  # GROUP_SIZE padded to a power of two
+    BLOCK_D: tl.constexpr,  # DIM padded to a power of two
+    CHECK: tl.constexpr,
+):
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    ROW_BYTES: tl.constexpr = DIM * BITS // 8
+    CODE_BYTES: tl.constexpr = GROUP_SIZE * ROW_BYTES + 4 * DIM
+    NB: tl.constexpr = BLOCK_D // 8 * (BITS + (BITS == 3))  # packed lanes per token row
+
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_CODES + tl.arange(0, BLOCK_CODES)
+    o_t = tl.arange(0, BLOCK_GS)
+    o_d = tl.arange(0, BLOCK_D)
+    m_n = o_n < n_codes
+    m_x = m_n[:, None, None]
+    m_s = m_n[:, None, None]
+    if BLOCK_GS != GROUP_SIZE:
+        m_x = m_x & (o_t < GROUP_SIZE)[None, :, None]
+    if BLOCK_D != DIM:
+        m_x = m_x & (o_d < DIM)[None, None, :]
+        m_s = m_s & (o_d < DIM)[None, :, None]
+
+    p_x = x + (o_n * GROUP_SIZE * DIM)[:, None, None] + (o_t * DIM)[:, None] + o_d[None, :]
+    b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)  # [BLOCK_CODES, BLOCK_GS, BLOCK_D]
+
+    # per-channel range over the group's tokens
+    if BLOCK_GS != GROUP_SIZE:
+        b_lo = tl.min(tl.where((o_t < GROUP_SIZE)[None, :, None], b_x, INF), axis=1)
+        b_hi = tl.max(tl.where((o_t < GROUP_SIZE)[None, :, None], b_x, -INF), axis=1)
+    else:
+        b_lo = tl.min(b_x, axis=1)  # [BLOCK_CODES, BLOCK_D]
+        b_hi = tl.max(b_x, axis=1)
+    b_s16 = tl.math.div_rn(b_hi - b_lo, LEVELS * 1.0).to(tl.float16)
+    b_z16 = b_lo.to(tl.float16)
+    b_s = b_s16.to(tl.float32)
+    b_z = b_z16.to(tl.float32)
+    b_d = tl.where(b_s > 0, b_s, 1.0)
+    # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor
+    b_q = tl.math.div_rn(b_x - b_z[:, None, :], b_d[:, None, :]) + 0.5
+    b_q = tl.clamp(b_q, 0.0, LEVELS * 1.0).to(tl.int32)
+
+    # each token row packs along the channels: [BLOCK_CODES, BLOCK_GS, NB]
+    b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_CODES * BLOCK_GS, BLOCK_D]), BITS), [BLOCK_CODES, BLOCK_GS, NB])
+    o_b, m_b = _byte_lanes(NB, BITS)
+    m_c = m_n[:, None, None]
+    if BLOCK_GS != GROUP_SIZE:
+        m_c = m_c & (o_t < GROUP_SIZE)[None, :, None]
+    if BITS == 3:
+        m_c = m_c & m_b[None, None, :]
+    if BLOCK_D != DIM:
+        m_c = m_c & (o_b < ROW_BYTES)[None, None, :]
+    p_c = codes + (o_n * CODE_BYTES)[:, None, None] + (o_t * ROW_BYTES)[:, None] + o_b[None, :]
+    tl.store(p_c, b_p, mask=m_c)
+
+    # DIM scales then DIM zeros, little-endian fp16: [BLOCK_CODES, BLOCK_D, 2]
+    o_s = o_n * CODE_BYTES + GROUP_SIZE * ROW_BYTES  # first scale byte of each code
+    p_s = codes + o_s[:, None, None] + 2 * o_d[:, None] + tl.arange(0, 2)[None, :]
+    tl.store(p_s, _fp16_lanes(b_s16), mask=m_s)
+    tl.store(p_s + 2 * DIM, _fp16_lanes(b_z16), mask=m_s)
+
+    if CHECK:
+        b_bad = tl.where(tl.abs(b_x) <= FP32_MAX, 0, FLAG_NONFINITE)
+        b_ovf = tl.where((tl.abs(b_s) > FP16_MAX) | (tl.abs(b_z) > FP16_MAX), FLAG_OVERFLOW, 0)
+        b_flag = tl.max(tl.max(tl.max(b_bad, axis=2), axis=1), axis=0) | tl.max(tl.max(b_ovf, axis=1), axis=0)
+        tl.store(flags + i_n, b_flag)
+
+
+@triton.jit
+def affine_unpack_channel_kernel(
+    # pointers
+    codes,  # [n_codes, GROUP_SIZE * ROW_BYTES + 4 * DIM] uint8
+    out,  # [n_codes * GROUP_SIZE, DIM] out_dtype, contiguous
+    # sizes
+    n_codes,
+    # settings
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_CODES: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    ROW_BYTES: tl.constexpr = DIM * BITS // 8
+    CODE_BYTES: tl.constexpr = GROUP_SIZE * ROW_BYTES + 4 * DIM
+    NB: tl.constexpr = BLOCK_D // 8 * (BITS + (BITS == 3))
+
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_CODES + tl.arange(0, BLOCK_CODES)
+    o_t = tl.arange(0, BLOCK_GS)
+    o_d = tl.arange(0, BLOCK_D)
+    m_n = o_n < n_codes
+    m_x = m_n[:, None, None]
+    m_s = m_n[:, None, None]
+    m_c = m_n[:, None, None]
+    if BLOCK_GS != GROUP_SIZE:
+        m_x = m_x & (o_t < GROUP_SIZE)[None, :, None]
+        m_c = m_c & (o_t < GROUP_SIZE)[None, :, None]
+    if BLOCK_D != DIM:
+        m_x = m_x & (o_d < DIM)[None, None, :]
+        m_s = m_s & (o_d < DIM)[None, :, None]
+
+    o_b, m_b = _byte_lanes(NB, BITS)
+    if BITS == 3:
+        m_c = m_c & m_b[None, None, :]
+    if BLOCK_D != DIM:
+        m_c = m_c & (o_b < ROW_BYTES)[None, None, :]
+    p_c = codes + (o_n * CODE_BYTES)[:, None, None] + (o_t * ROW_BYTES)[:, None] + o_b[None, :]
+    b_p = tl.load(p_c, mask=m_c, other=0)  # [BLOCK_CODES, BLOCK_GS, NB]
+    b_q = _unpack_rows(tl.reshape(b_p, [BLOCK_CODES * BLOCK_GS, NB]), BLOCK_D, BITS)
+    b_q = tl.reshape(b_q, [BLOCK_CODES, BLOCK_GS, BLOCK_D]).to(tl.float32)
+
+    o_s = o_n * CODE_BYTES + GROUP_SIZE * ROW_BYTES  # first scale byte of each code
+    p_s = codes + o_s[:, None, None] + 2 * o_d[:, None] + tl.arange(0, 2)[None, :]
+    b_s = _fp16_from_lanes(tl.load(p_s, mask=m_s, other=0))  # [BLOCK_CODES, BLOCK_D]
+    b_z = _fp16_from_lanes(tl.load(p_s + 2 * DIM, mask=m_s, other=0))
+    b_y = b_q * b_s[:, None, :] + b_z[:, None, :]
+
+    p_o = out + (o_n * GROUP_SIZE * DIM)[:, None, None] + (o_t * DIM)[:, None] + o_d[None, :]
+    tl.store(p_o, b_y.to(out.dtype.element_ty), mask=m_x)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def affine_code_bytes(dim: int, bits: int, group_size: int, axis: str = "token") -> int:
+    """Bytes of one affine code: one vector (token axis) or ``group_size`` vectors (channel axis)."""
+    if axis == "token":
+        return packed_bytes(dim, bits) + 4 * (dim // group_size)
+    return group_size * packed_bytes(dim, bits) + 4 * dim
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _check_codec(bits, group_size, axis) -> None:
+    C.check_int("bits", bits, PACK_BITS)
+    C.check_int("group_size", group_size, minimum=8)
+    if group_size % 8:
+        raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
+    C.check_choice("axis", axis, AXES)
+
+
+def _check_dim(dim: int, group_size: int, axis: str, what: str) -> None:
+    if axis == "token" and dim % group_size:
+        raise ValueError(f"{what} ({dim}) must be a multiple of group_size={group_size}")
+    if axis == "channel" and dim % 8:
+        raise ValueError(f"{what} ({dim}) must be a multiple of 8")
+
+
+def _check_tunables(block_name: str, block, num_warps) -> None:
+    if block is not None:
+        C.check_int(block_name, block, minimum=1)
+        if block & (block - 1):
+            raise ValueError(f"{block_name} must be a power of two, got {block}")
+    C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16, 32))
+
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in C.FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of (float16, bfloat16, float32), got {out_dtype}")
+
+
+def _raise_flags(flags: torch.Tensor) -> None:
+    """The one host sync of a checked encode: read the per-program flags."""
+    flag = int(flags.max()) if flags.numel() else 0
+    if flag & FLAG_NONFINITE.value:
+        raise ValueError("x holds NaN or Inf values; only finite values can be encoded")
+    if flag & FLAG_OVERFLOW.value:
+        raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
+
+
+def _rows_per_tile(block: int | None, row_elements: int) -> int:
+    return block if block is not None else max(1, min(128, TILE_ELEMENTS // row_elements))
+
+
+def pack_affine(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: str = "token",
+    *,
+    check: bool = True,
+    BLOCK_ROWS: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Encode ``x`` exactly as ``AffineCodec(bits, group_size, axis).encode(x)``.
+
+    ``axis="token"``: x ``[..., dim]`` -> uint8 ``[..., code_bytes]``; ``axis="channel"``: x
+    ``[..., tokens, dim]`` -> uint8 ``[..., tokens / group_size, code_bytes]``
+    (``code_bytes = affine_code_bytes(dim, bits, group_size, axis)``). A non-contiguous x is copied
+    to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input or fp16-overflowing
+    groups (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
+    ``BLOCK_ROWS``: vectors (token axis) or codes (channel axis) per program, a power of two
+    (default: about 4096 elements per program).
+    """
+    _check_codec(bits, group_size, axis)
+    _check_tunables("BLOCK_ROWS", BLOCK_ROWS, num_warps)
+    C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1 if axis == "token" else 2)
+    dim = x.shape[-1]
+    _check_dim(dim, group_size, axis, "x's last dimension")
+    if axis == "channel" and x.shape[-2] % group_size:
+        raise ValueError(
+            f"x's token dimension ({x.shape[-2]}) must be a multiple of group_size={group_size} for axis='channel'"
+        )
+    x = x.contiguous()
+    code_bytes = affine_code_bytes(dim, bits, group_size, axis)
+    block_gs = _pow2(group_size)
+
+    if axis == "token":
+        codes = torch.empty(*x.shape[:-1], code_bytes, dtype=torch.uint8, device=x.device)
+        n_rows = x.numel() // dim if dim else 0
+        if n_rows == 0:
+            return codes
+        block_g = _pow2(dim // group_size)
+        block_rows = _rows_per_tile(BLOCK_ROWS, block_g * block_gs)
+        grid = (triton.cdiv(n_rows, block_rows),)
+        flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
+        affine_pack_token_kernel[grid](
+            x, codes, flags,
+            n_rows, dim, code_bytes,
+            BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
+            BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, CHECK=check,
+            num_warps=num_warps,
+        )  # fmt: skip
+    else:
+        tokens = x.shape[-2]
+        codes = torch.empty(*x.shape[:-2], tokens // group_size, code_bytes, dtype=torch.uint8, device=x.device)
+        n_codes = x.numel() // (group_size * dim) if dim else 0
+        if n_codes == 0:
+            return codes
+        block_d = _pow2(dim)
+        block_codes = _rows_per_tile(BLOCK_ROWS, block_gs * block_d)
+        grid = (triton.cdiv(n_codes, block_codes),)
+        flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
+        affine_pack_channel_kernel[grid](
+            x, codes, flags,
+            n_codes,
+            BITS=bits, GROUP_SIZE=group_size, DIM=dim,
+            BLOCK_CODES=block_codes, BLOCK_GS=block_gs, BLOCK_D=block_d, CHECK=check,
+            num_warps=num_warps,
+        )  # fmt: skip
+    if check:
+        _raise_flags(flags)
+    return codes
+
+
+def unpack_affine(
+    codes: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: str,
+    dim: int,
+    out_dtype: torch.dtype = torch.float16,
+    *,
+    BLOCK_ROWS: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Decode ``pack_affine`` codes: ``q * scale + zero`` in fp32 (as ``AffineCodec.decode``), cast to out_dtype.
+
+    uint8 ``[..., code_bytes]`` -> ``[..., dim]`` (token axis) or ``[..., tokens, dim]`` (channel axis,
+    ``tokens = codes.shape[-2] * group_size``; a 1-d code decodes to ``[group_size, dim]``).
+    """
+    _check_codec(bits, group_size, axis)
+    _check_tunables("BLOCK_ROWS", BLOCK_ROWS, num_warps)
+    C.check_int("dim", dim, minimum=1)
+    _check_dim(dim, group_size, axis, "dim")
+    _check_out_dtype(out_dtype)
+    code_bytes = affine_code_bytes(dim, bits, group_size, axis)
+    C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=code_bytes)
+    codes = codes.contiguous()
+    block_gs = _pow2(group_size)
+
+    if axis == "token":
+        out = torch.empty(*codes.shape[:-1], dim, dtype=out_dtype, device=codes.device)
+        n_rows = codes.numel() // code_bytes
+        if n_rows == 0:
+            return out
+        block_g = _pow2(dim // group_size)
+        block_rows = _rows_per_tile(BLOCK_ROWS, block_g * block_gs)
+        affine_unpack_token_kernel[(triton.cdiv(n_rows, block_rows),)](
+            codes, out,
+            n_rows, code_bytes, dim,
+            BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
+            BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g,
+            num_warps=num_warps,
+        )  # fmt: skip
+        return out
+    lead = codes.shape[:-1]
+    tokens = (lead[-1] if lead else 1) * group_size
+    out = torch.empty(*lead[:-1], tokens, dim, dtype=out_dtype, device=codes.device)
+    n_codes = codes.numel() // code_bytes
+    if n_codes == 0:
+        return out
+    block_d = _pow2(dim)
+    block_codes = _rows_per_tile(BLOCK_ROWS, block_gs * block_d)
+    affine_unpack_channel_kernel[(triton.cdiv(n_codes, block_codes),)](
+        codes, out,
+        n_codes,
+        BITS=bits, GROUP_SIZE=group_size, DIM=dim,
+        BLOCK_CODES=block_codes, BLOCK_GS=block_gs, BLOCK_D=block_d,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+class MixedAffineLayout:
+    """A token's K (or V) codes of all heads with a bit width per head (see ``kvlab.layout``).
+
+    Head ``h`` uses ``bit_alloc[h]`` bits and the token-axis affine code of ``AffineCodec(bit_alloc[h],
+    group_size)``: ``head_bytes[h]`` bytes at ``head_offsets[h]`` of the token's row of
+    ``bytes_per_token`` bytes. Nothing is padded: ``bytes_per_token == sum(head_bytes)``.
+    """
+
+    def __init__(self, bit_alloc, dim: int, group_size: int):
+        if isinstance(bit_alloc, torch.Tensor):
+            bit_alloc = bit_alloc.tolist()
+        if not isinstance(bit_alloc, (list, tuple)):
+            raise TypeError(f"bit_alloc must be a list of ints (bits per head), got {type(bit_alloc).__name__}")
+        if not bit_alloc:
+            raise ValueError("bit_alloc must have one entry per head, got an empty list")
+        for h, b in enumerate(bit_alloc):
+            if isinstance(b, bool) or not isinstance(b, int):
+                raise TypeError(f"bit_alloc[{h}] must be an int, got {type(b).__name__}")
+            if b not in PACK_BITS:
+                raise ValueError(f"bit_alloc entries must be in {PACK_BITS}, got bit_alloc[{h}] = {b}")
+        C.check_int("dim", dim, minimum=1)
+        C.check_int("group_size", group_size, minimum=8)
+        if group_size % 8:
+            raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
+        _check_dim(dim, group_size, "token", "dim")
+        self.bit_alloc = tuple(bit_alloc)
+        self.dim, self.group_size = dim, group_size
+        self.num_heads = len(self.bit_alloc)
+        self.head_bytes = tuple(affine_code_bytes(dim, b, group_size) for b in self.bit_alloc)
+        offsets, total = [], 0
+        for n in self.head_bytes:
+            offsets.append(total)
+            total += n
+        self.head_offsets = tuple(offsets)
+        self.bytes_per_token = total
+        # the largest power of two (<= 16) dividing every head offset: lets the kernels vectorise
+        self.align = 16
+        while any(o % self.align for o in self.head_offsets):
+            self.align //= 2
+        self._tables: dict = {}
+
+    @property
+    def fp16_bytes_per_token(self) -> int:
+        """The same heads stored as fp16."""
+        return 2 * self.num_heads * self.dim
+
+    @property
+    def padded_bytes_per_token(self) -> int:
+        """Bytes if every head were padded to the widest head's code."""
+        return self.num_heads * max(self.head_bytes)
+
+    def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(head_bits int32, head_offsets int64)`` on ``device``, built once per device."""
+        key = str(torch.device(device))
+        if key not in self._tables:
+            self._tables[key] = (
+                torch.tensor(self.bit_alloc, dtype=torch.int32, device=device),
+                torch.tensor(self.head_offsets, dtype=torch.int64, device=device),
+            )
+        return self._tables[key]
+
+    def __repr__(self) -> str:
+        return (
+            f"MixedAffineLayout(bit_alloc={list(self.bit_alloc)}, dim={self.dim}, group_size={self.group_size}; "
+            f"bytes_per_token={self.bytes_per_token})"
+        )
+
+
+def _check_layout(layout) -> None:
+    if not isinstance(layout, MixedAffineLayout):
+        raise TypeError(f"layout must be a MixedAffineLayout, got {type(layout).__name__}")
+
+
+def pack_affine_mixed(
+    x: torch.Tensor,
+    layout: MixedAffineLayout,
+    *,
+    check: bool = True,
+    BLOCK_ROWS: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Encode a layer's K (or V) ``[..., num_heads, dim]`` with per-head bits -> uint8 ``[..., bytes_per_token]``.
+
+    One launch for all heads. Head h's bytes equal
+    ``AffineCodec(layout.bit_alloc[h], layout.group_size).encode(x[..., h, :])``.
+    x's last dimension must be contiguous (else it is copied); other strides are used as they are.
+    """
+    _check_layout(layout)
+    _check_tunables("BLOCK_ROWS", BLOCK_ROWS, num_warps)
+    C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=2)
+    if x.shape[-2] != layout.num_heads:
+        raise ValueError(
+            f"bit_alloc has {layout.num_heads} entries but x has {x.shape[-2]} heads (shape {tuple(x.shape)}, "
+            "expected [..., num_heads, dim])"
+        )
+    if x.shape[-1] != layout.dim:
+        raise ValueError(f"x must have last dimension {layout.dim} (the layout's dim), got shape {tuple(x.shape)}")
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, layout.num_heads, layout.dim)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    codes = torch.empty(*lead, layout.bytes_per_token, dtype=torch.uint8, device=x.device)
+    n_tokens = x3.shape[0]
+    if n_tokens == 0:
+        return codes
+    head_bits, head_offsets = layout.tables(x.device)
+    block_gs, block_g = _pow2(layout.group_size), _pow2(layout.dim // layout.group_size)
+    block_rows = _rows_per_tile(BLOCK_ROWS, block_g * block_gs)
+    n_programs = triton.cdiv(n_tokens, block_rows) * layout.num_heads
+    flags = torch.empty(n_programs if check else 1, dtype=torch.int32, device=x.device)
+    affine_pack_mixed_kernel[(n_programs,)](
+        x3, codes, head_bits, head_offsets, flags,
+        n_tokens, layout.num_heads, x3.stride(0), x3.stride(1), layout.bytes_per_token,
+        GROUP_SIZE=layout.group_size, NUM_GROUPS=layout.dim // layout.group_size,
+        BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, ALIGN=layout.align, CHECK=check,
+        num_warps=num_warps,
+    )  # fmt: skip
+    if check:
+        _raise_flags(flags)
+    return codes
+
+
+def unpack_affine_mixed(
+    codes: torch.Tensor,
+    layout: MixedAffineLayout,
+    out_dtype: torch.dtype = torch.float16,
+    *,
+    BLOCK_ROWS: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Decode ``pack_affine_mixed`` codes ``[..., bytes_per_token]`` -> ``[..., num_heads, dim]`` (one launch)."""
+    _check_layout(layout)
+    _check_tunables("BLOCK_ROWS", BLOCK_ROWS, num_warps)
+    _check_out_dtype(out_dtype)
+    C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=layout.bytes_per_token)
+    codes = codes.contiguous()
+    out = torch.empty(*codes.shape[:-1], layout.num_heads, layout.dim, dtype=out_dtype, device=codes.device)
+    n_tokens = codes.numel() // layout.bytes_per_token
+    if n_tokens == 0:
+        return out
+    head_bits, head_offsets = layout.tables(codes.device)
+    block_gs, block_g = _pow2(layout.group_size), _pow2(layout.dim // layout.group_size)
+    block_rows = _rows_per_tile(BLOCK_ROWS, block_g * block_gs)
+    n_programs = triton.cdiv(n_tokens, block_rows) * layout.num_heads
+    affine_unpack_mixed_kernel[(n_programs,)](
+        codes, out, head_bits, head_offsets,
+        n_tokens, layout.num_heads, layout.bytes_per_token, layout.num_heads * layout.dim, layout.dim,
+        GROUP_SIZE=layout.group_size, NUM_GROUPS=layout.dim // layout.group_size,
+        BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, ALIGN=layout.align,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
