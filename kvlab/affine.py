@@ -630,7 +630,7 @@ def pack_affine(
     axis: str = "token",
     *,
     check: bool = True,
-    BLOCK_ROWS: int | None = None,
+    block_rows: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Encode ``x`` exactly as ``AffineCodec(bits, group_size, axis).encode(x)``.
@@ -640,11 +640,11 @@ def pack_affine(
     (``code_bytes = affine_code_bytes(dim, bits, group_size, axis)``). A non-contiguous x is copied
     to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input or fp16-overflowing
     groups (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
-    ``BLOCK_ROWS``: vectors (token axis) or codes (channel axis) per program, a power of two
+    ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two
     (default: about 4096 elements per program).
     """
     _check_codec(bits, group_size, axis)
-    _check_tunables("BLOCK_ROWS", BLOCK_ROWS, num_warps)
+    _check_tunables("block_rows", block_rows, num_warps)
     C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1 if axis == "token" else 2)
     dim = x.shape[-1]
     _check_dim(dim, group_size, axis, "x's last dimension")
@@ -662,7 +662,7 @@ def pack_affine(
         if n_rows == 0:
             return codes
         block_g = _pow2(dim // group_size)
-        block_rows = _rows_per_tile(BLOCK_ROWS, block_g * block_gs)
+        block_rows = _rows_per_tile(block_rows, block_g * block_gs)
         grid = (triton.cdiv(n_rows, block_rows),)
         flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
         affine_pack_token_kernel[grid](
@@ -679,7 +679,7 @@ def pack_affine(
         if n_codes == 0:
             return codes
         block_d = _pow2(dim)
-        block_codes = _rows_per_tile(BLOCK_ROWS, block_gs * block_d)
+        block_codes = _rows_per_tile(block_rows, block_gs * block_d)
         grid = (triton.cdiv(n_codes, block_codes),)
         flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
         affine_pack_channel_kernel[grid](
@@ -702,7 +702,7 @@ def unpack_affine(
     dim: int,
     out_dtype: torch.dtype = torch.float16,
     *,
-    BLOCK_ROWS: int | None = None,
+    block_rows: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Decode ``pack_affine`` codes: ``q * scale + zero`` in fp32 (as ``AffineCodec.decode``), cast to out_dtype.
@@ -711,7 +711,7 @@ def unpack_affine(
     ``tokens = codes.shape[-2] * group_size``; a 1-d code decodes to ``[group_size, dim]``).
     """
     _check_codec(bits, group_size, axis)
-    _check_tunables("BLOCK_ROWS", BLOCK_ROWS, num_warps)
+    _check_tunables("block_rows", block_rows, num_warps)
     C.check_int("dim", dim, minimum=1)
     _check_dim(dim, group_size, axis, "dim")
     _check_out_dtype(out_dtype)
@@ -726,7 +726,7 @@ def unpack_affine(
         if n_rows == 0:
             return out
         block_g = _pow2(dim // group_size)
-        block_rows = _rows_per_tile(BLOCK_ROWS, block_g * block_gs)
+        block_rows = _rows_per_tile(block_rows, block_g * block_gs)
         affine_unpack_token_kernel[(triton.cdiv(n_rows, block_rows),)](
             codes, out,
             n_rows, code_bytes, dim,
@@ -742,7 +742,7 @@ def unpack_affine(
     if n_codes == 0:
         return out
     block_d = _pow2(dim)
-    block_codes = _rows_per_tile(BLOCK_ROWS, block_gs * block_d)
+    block_codes = _rows_per_tile(block_rows, block_gs * block_d)
     affine_unpack_channel_kernel[(triton.cdiv(n_codes, block_codes),)](
         codes, out,
         n_codes,
@@ -831,7 +831,7 @@ def pack_affine_mixed(
     layout: MixedAffineLayout,
     *,
     check: bool = True,
-    BLOCK_ROWS: int | None = None,
+    block_rows: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Encode a layer's K (or V) ``[..., num_heads, dim]`` with per-head bits -> uint8 ``[..., bytes_per_token]``.
@@ -841,7 +841,7 @@ def pack_affine_mixed(
     x's last dimension must be contiguous (else it is copied); other strides are used as they are.
     """
     _check_layout(layout)
-    _check_tunables("BLOCK_ROWS", BLOCK_ROWS, num_warps)
+    _check_tunables("block_rows", block_rows, num_warps)
     C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=2)
     if x.shape[-2] != layout.num_heads:
         raise ValueError(
@@ -860,7 +860,7 @@ def pack_affine_mixed(
         return codes
     head_bits, head_offsets = layout.tables(x.device)
     block_gs, block_g = _pow2(layout.group_size), _pow2(layout.dim // layout.group_size)
-    block_rows = _rows_per_tile(BLOCK_ROWS, block_g * block_gs)
+    block_rows = _rows_per_tile(block_rows, block_g * block_gs)
     n_programs = triton.cdiv(n_tokens, block_rows) * layout.num_heads
     flags = torch.empty(n_programs if check else 1, dtype=torch.int32, device=x.device)
     affine_pack_mixed_kernel[(n_programs,)](
@@ -880,12 +880,12 @@ def unpack_affine_mixed(
     layout: MixedAffineLayout,
     out_dtype: torch.dtype = torch.float16,
     *,
-    BLOCK_ROWS: int | None = None,
+    block_rows: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Decode ``pack_affine_mixed`` codes ``[..., bytes_per_token]`` -> ``[..., num_heads, dim]`` (one launch)."""
     _check_layout(layout)
-    _check_tunables("BLOCK_ROWS", BLOCK_ROWS, num_warps)
+    _check_tunables("block_rows", block_rows, num_warps)
     _check_out_dtype(out_dtype)
     C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=layout.bytes_per_token)
     codes = codes.contiguous()
@@ -895,7 +895,7 @@ def unpack_affine_mixed(
         return out
     head_bits, head_offsets = layout.tables(codes.device)
     block_gs, block_g = _pow2(layout.group_size), _pow2(layout.dim // layout.group_size)
-    block_rows = _rows_per_tile(BLOCK_ROWS, block_g * block_gs)
+    block_rows = _rows_per_tile(block_rows, block_g * block_gs)
     n_programs = triton.cdiv(n_tokens, block_rows) * layout.num_heads
     affine_unpack_mixed_kernel[(n_programs,)](
         codes, out, head_bits, head_offsets,

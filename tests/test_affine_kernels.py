@@ -110,9 +110,9 @@ def test_tunables_do_not_change_codes(axis):
     x = make_x((3, 32, 128), axis, 32, seed=3).half()
     ref = AffineCodec(4, 32, axis).encode(x)
     for block_rows, num_warps in [(1, 1), (2, 2), (8, 8), (256, 4)]:
-        codes = pack_affine(x, 4, 32, axis, BLOCK_ROWS=block_rows, num_warps=num_warps)
+        codes = pack_affine(x, 4, 32, axis, block_rows=block_rows, num_warps=num_warps)
         assert_codes_equal(codes, ref)
-        out = unpack_affine(codes, 4, 32, axis, 128, BLOCK_ROWS=block_rows, num_warps=num_warps)
+        out = unpack_affine(codes, 4, 32, axis, 128, block_rows=block_rows, num_warps=num_warps)
         assert torch.equal(out, unpack_affine(ref, 4, 32, axis, 128))
 
 
@@ -233,17 +233,17 @@ def test_mixed_matches_per_head_reference(bit_alloc, dim, group_size, lead, dtyp
     unpack = CountingKernel(affine.affine_unpack_mixed_kernel)
     monkeypatch.setattr(affine, "affine_pack_mixed_kernel", pack)
     monkeypatch.setattr(affine, "affine_unpack_mixed_kernel", unpack)
-    codes = pack_affine_mixed(x, layout, BLOCK_ROWS=64)
+    codes = pack_affine_mixed(x, layout, block_rows=64)
     ref = mixed_reference(x, layout)
     assert_codes_equal(codes, ref)
     ref_x = mixed_decoded(ref, layout)
-    assert_decoded(unpack_affine_mixed(codes, layout, torch.float32, BLOCK_ROWS=64), ref_x, torch.float32)
+    assert_decoded(unpack_affine_mixed(codes, layout, torch.float32, block_rows=64), ref_x, torch.float32)
     assert_decoded(unpack_affine_mixed(codes, layout), ref_x, torch.float16)
     assert pack.launches == 1 and unpack.launches == 2  # one launch per layer, all heads
 
 
 def test_mixed_strided_heads_and_default_blocks():
-    """Heads taken with a stride from a larger tensor (no copy); default BLOCK_ROWS."""
+    """Heads taken with a stride from a larger tensor (no copy); default block_rows."""
     layout = MixedAffineLayout([2, 4, 8], 64, 32)
     full = make_x((37, 6, 64), "token", 32, seed=11).half()
     x = full[:, ::2]
@@ -282,7 +282,7 @@ BAD = [
     ("codes wrong width", lambda: unpack_affine(torch.zeros(2, 39, dtype=torch.uint8), 4, 32, "token", 64), ValueError, "codes must have last dimension 40"),
     ("unpack dim vs group_size", lambda: unpack_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 48), ValueError, r"dim \(48\)"),
     ("out_dtype", lambda: unpack_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 64, torch.int8), TypeError, "out_dtype"),
-    ("BLOCK_ROWS not a power of two", lambda: pack_affine(_x(2, 64), 4, 32, BLOCK_ROWS=3), ValueError, "BLOCK_ROWS must be a power of two"),
+    ("block_rows not a power of two", lambda: pack_affine(_x(2, 64), 4, 32, block_rows=3), ValueError, "block_rows must be a power of two"),
     ("num_warps", lambda: pack_affine(_x(2, 64), 4, 32, num_warps=3), ValueError, "num_warps"),
     ("bit_alloc entry", lambda: MixedAffineLayout([4, 5], 64, 32), ValueError, r"bit_alloc entries must be in .* bit_alloc\[1\] = 5"),
     ("bit_alloc entry type", lambda: MixedAffineLayout([4, "8"], 64, 32), TypeError, r"bit_alloc\[1\] must be an int"),
