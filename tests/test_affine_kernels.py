@@ -1,6 +1,7 @@
 """Triton affine kernels (kvlab.affine) against the pure-torch AffineCodec: same bytes, same values."""
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -8,8 +9,30 @@ import torch
 
 import kvlab
 import kvlab.affine as affine
-from kvlab.affine import MixedAffineLayout, pack_affine, pack_affine_mixed, unpack_affine, unpack_affine_mixed
+from kvlab.affine import MixedAffineLayout
 from kvlab.reference import AffineCodec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(fn):
+    """Run a launcher on DEVICE (compiled on a GPU, interpreted on a CPU); results come back to the CPU."""
+
+    def move(a):
+        return a.to(DEVICE) if isinstance(a, torch.Tensor) else a
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        out = fn(*map(move, args), **{k: move(v) for k, v in kwargs.items()})
+        return out.cpu() if isinstance(out, torch.Tensor) else out
+
+    return call
+
+
+pack_affine = _on_device(affine.pack_affine)
+unpack_affine = _on_device(affine.unpack_affine)
+pack_affine_mixed = _on_device(affine.pack_affine_mixed)
+unpack_affine_mixed = _on_device(affine.unpack_affine_mixed)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
