@@ -9,9 +9,10 @@ What
     widest one.
 
     Per group, in fp32: ``scale = fp16((max - min) / (2**bits - 1))``, ``zero = fp16(min)``,
-    ``q = clamp(floor((x - zero) / scale + 1/2), 0, 2**bits - 1)`` (``/ 1`` where ``scale == 0``), with
-    IEEE division (``div_rn``) so the codes are bit-exact; decoding is ``q * scale + zero`` in fp32,
-    then cast to ``out_dtype``.
+    ``q = clamp(floor((x - zero) * inv + 1/2), 0, 2**bits - 1)`` with ``inv = 1 / scale`` (IEEE
+    division, ``div_rn``, once per group; ``inv = 0`` where ``scale == 0``) and the multiply and add
+    rounded separately (pack kernels are launched with ``enable_fp_fusion=False``), so the codes are
+    bit-exact; decoding is ``q * scale + zero`` in fp32, then cast to ``out_dtype``.
 
 Layout
     As ``kvlab.layout`` states it: a token-axis code is ``[indices | scales | zeros]`` of one vector, a
@@ -208,9 +209,10 @@ def _pack_token_rows(
     b_z16 = b_lo.to(tl.float16)
     b_s = b_s16.to(tl.float32)
     b_z = b_z16.to(tl.float32)
-    b_d = tl.where(b_s > 0, b_s, 1.0)
-    # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor
-    b_q = tl.math.div_rn(b_x - b_z[:, :, None], b_d[:, :, None]) + 0.5
+    b_inv = tl.where(b_s > 0, tl.math.div_rn(1.0, tl.where(b_s > 0, b_s, 1.0)), 0.0)  # one IEEE division per group
+    # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor.
+    # Launched with enable_fp_fusion=False: the multiply and the add round separately, as in torch.
+    b_q = (b_x - b_z[:, :, None]) * b_inv[:, :, None] + 0.5
     b_q = tl.clamp(b_q, 0.0, LEVELS * 1.0).to(tl.int32)
 
     # indices: [BLOCK_ROWS * BLOCK_G, BLOCK_GS] -> packed lanes [BLOCK_ROWS, BLOCK_G, NB]
@@ -483,9 +485,10 @@ def affine_pack_channel_kernel(
     b_z16 = b_lo.to(tl.float16)
     b_s = b_s16.to(tl.float32)
     b_z = b_z16.to(tl.float32)
-    b_d = tl.where(b_s > 0, b_s, 1.0)
-    # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor
-    b_q = tl.math.div_rn(b_x - b_z[:, None, :], b_d[:, None, :]) + 0.5
+    b_inv = tl.where(b_s > 0, tl.math.div_rn(1.0, tl.where(b_s > 0, b_s, 1.0)), 0.0)  # one IEEE division per channel
+    # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor.
+    # Launched with enable_fp_fusion=False: the multiply and the add round separately, as in torch.
+    b_q = (b_x - b_z[:, None, :]) * b_inv[:, None, :] + 0.5
     b_q = tl.clamp(b_q, 0.0, LEVELS * 1.0).to(tl.int32)
 
     # each token row packs along the channels: [BLOCK_CODES, BLOCK_GS, NB]
@@ -670,7 +673,7 @@ def pack_affine(
             n_rows, dim, code_bytes,
             BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
             BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, CHECK=check,
-            num_warps=num_warps,
+            num_warps=num_warps, enable_fp_fusion=False,
         )  # fmt: skip
     else:
         tokens = x.shape[-2]
@@ -687,7 +690,7 @@ def pack_affine(
             n_codes,
             BITS=bits, GROUP_SIZE=group_size, DIM=dim,
             BLOCK_CODES=block_codes, BLOCK_GS=block_gs, BLOCK_D=block_d, CHECK=check,
-            num_warps=num_warps,
+            num_warps=num_warps, enable_fp_fusion=False,
         )  # fmt: skip
     if check:
         _raise_flags(flags)
@@ -868,7 +871,7 @@ def pack_affine_mixed(
         n_tokens, layout.num_heads, x3.stride(0), x3.stride(1), layout.bytes_per_token,
         GROUP_SIZE=layout.group_size, NUM_GROUPS=layout.dim // layout.group_size,
         BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, ALIGN=layout.align, CHECK=check,
-        num_warps=num_warps,
+        num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     if check:
         _raise_flags(flags)

@@ -149,7 +149,8 @@ class AffineCodec:
     uint8 ``[..., nbytes(dim)]``. ``axis="channel"``: groups of ``group_size`` consecutive tokens
     per channel (keys in KIVI); ``encode(x [..., tokens, dim])`` -> uint8
     ``[..., tokens / group_size, nbytes(dim)]``. ``x_hat = q * scale + zero`` with
-    ``q = floor((x - zero) / scale + 1/2)`` clamped to ``[0, 2**bits - 1]``.
+    ``q = floor((x - zero) * inv + 1/2)`` clamped to ``[0, 2**bits - 1]``, ``inv = 1 / scale`` (0 where
+    the scale is 0), each operation rounded to fp32 on its own.
     """
 
     def __init__(self, bits: int, group_size: int, axis: str = "token"):
@@ -207,7 +208,8 @@ class AffineCodec:
         if bool(torch.isinf(scale).any()) or bool(torch.isinf(zero).any()):
             raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
         s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
-        q = torch.floor((g - z) / torch.where(s > 0, s, 1.0) + 0.5).clamp(0, self.levels)
+        inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)  # one division per group
+        q = torch.floor((g - z) * inv + 0.5).clamp(0, self.levels)
         q = self._ungrouped(q, x.shape)
         packed = pack_indices(q, self.bits)
         if self.axis == "token":
