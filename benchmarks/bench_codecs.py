@@ -53,13 +53,14 @@ TUNABLES = [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=
             dict(block_rows=16, num_warps=4), dict(block_rows=32, num_warps=4),
             dict(block_rows=64, num_warps=8), dict(block_rows=128, num_warps=8)]
 _best = {}
+SWEEP = False
 
 
 def tuned(key, call):
     """Median time of ``call(**config)`` at the best launch config for ``key`` (swept on first use)."""
     if key not in _best:
         times = {}
-        for cfg in TUNABLES:
+        for cfg in (TUNABLES if SWEEP else TUNABLES[:1]):
             try:
                 times[tuple(cfg.items())] = bench(lambda: call(**cfg), reps=60)
             except Exception as e:  # a config the kernel rejects or cannot compile
@@ -100,10 +101,12 @@ def main():
     ap.add_argument("--sizes", default="1,4,16", help="millions (2^20) of vectors")
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--no-tests", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time every launch config in TUNABLES, keep the best")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), no timing claims")
     ap.add_argument("--tests-log", help="pytest -q output of a run on this machine, recorded instead of running the tests")
     args = ap.parse_args()
-    global DEV
+    global DEV, SWEEP
+    SWEEP = args.sweep
     unit = 1 << 20
     if args.smoke:
         DEV, unit = "cpu", 1 << 10

@@ -2,29 +2,46 @@
 
 What
     ``store_mse`` encodes keys and values of a batch and writes their codes into the cache slots of
-    ``slot_mapping``. The rotation ``y = x.float() @ R`` is one batched torch GEMM per tensor (exactly
-    the reference's, so the bytes can match); then ONE Triton launch handles key and value: per
-    ``(token, head)`` row it takes the norm (fp64 accumulation, cast to fp32), normalises with IEEE
-    division, counts the Lloyd-Max boundaries strictly below each coordinate (``torch.bucketize``),
-    packs the indices and writes them with the fp16 norm.
+    ``slot_mapping``: rotate, take the norm (fp64 accumulation, rounded to fp32), count the
+    Lloyd-Max boundaries strictly below each normalised coordinate (``torch.bucketize``), pack the
+    indices, append the fp16 norm. One launch, grid ``(row tiles, 2)``: axis 1 is the key or the
+    value part. The rotation depends on the codec:
+
+    * Hadamard codecs (``codec.hadamard_signs`` set): FUSED. The kernel reads the fp16/bf16/fp32
+      input rows and computes ``fwht(x * signs) * scale`` itself, with the reference's butterflies
+      in the reference's order (``kvlab.rotation.fwht``), so the rotated rows are bit-identical.
+    * Haar codecs: the rotation ``y = x.float() @ R`` is one batched torch GEMM per tensor (the
+      reference's, so the bytes match), and the kernel reads the fp32 rows ``y``.
+
+    No division: ``fl(y / norm) > b`` is decided as ``y > t`` with a per-row float32 threshold ``t``
+    derived exactly from ``norm`` and ``b`` (``_thresholds``), and a binary search over the
+    thresholds gives the index. Bytes equal the reference's exactly (``torch.equal``).
 
     ``load_mse`` reads the key or the value part of the slots back: unpack the indices, gather the
-    centroids (a table of at most 16 floats), optionally renormalise the centroid vector (norm
-    correction), multiply by the stored fp16 norm. ``space="rotated"`` returns that (what attention in
+    centroids (a table of at most 16 floats, one cache line), optionally renormalise the centroid
+    vector (norm correction, an approximate reciprocal square root: within fp16 precision of the
+    reference), multiply by the stored fp16 norm. ``space="rotated"`` returns that (what attention in
     rotated space consumes); ``space="model"`` follows it with one batched GEMM by ``R.T``.
 
-    Each program handles a tile of ``BLOCK_ROWS`` rows of ``dim`` elements, viewed as
-    ``[BLOCK_ROWS, BLOCK_G, 8]``: element ``d = 8 g + k``. Eight ``bits``-wide indices make exactly
-    ``bits`` bytes, so packing is "sum the eight shifted indices of a group into one word, cut the word
-    into ``bits`` bytes" for 2, 3 and 4 bits alike, and unpacking is its inverse. The bytes of a group
-    are stored as a ``[BLOCK_ROWS, BLOCK_G, 4]`` tile with lane ``j < bits`` live; each output byte is
-    built from its source fields, never scattered.
+Tiling
+    Store: one row per thread (``block_rows = 32 * num_warps`` by default). A row is loaded as
+    16-byte chunks of 8 columns, so a thread holds its row in registers: the butterflies, the norm
+    and the 2**bits - 1 thresholds of the row cost no data movement. The packed code goes out as
+    4-byte words through a coalesced store (a head and a tail of at most 3 bytes per row when the
+    code is not 4-byte aligned; bytes when the cache's strides are not multiples of 4).
+
+    Load: a thread decodes groups of 8 elements (``bits`` bytes in, 16 bytes of fp16 out, one
+    vector store), loading the group's bytes 4, 2 or 1 at a time as the cache's alignment allows.
+
+    Eight ``bits``-wide indices make exactly ``bits`` bytes (a "group"): packing sums the eight
+    shifted indices of a group into one word, unpacking shifts them back out.
 
 Layout (``kvlab.layout``)
     cache: uint8 ``[num_blocks, block_size, num_heads, slot_bytes]``, one slot of one head is
     ``key indices | key norm (fp16 LE) | value indices | value norm (fp16 LE)``. Token ``i`` goes to
     slot ``slot_mapping[i] = block * block_size + offset``; ``-1`` is padding (not written; read as
-    zeros). Indices form a little-endian bit stream, element ``j`` at bit ``bits * j``.
+    zeros). Indices form a little-endian bit stream, element ``j`` at bit ``bits * j``. Kernels are
+    compiled per ``num_heads`` and ``block_size`` (the row and slot divisions become multiplies).
 
 Reference
     ``kvlab.reference.MSECodec.encode`` / ``decode`` with ``write_slots`` / ``read_slots``. This module
@@ -41,6 +58,7 @@ Checks
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import weakref
 
@@ -55,7 +73,7 @@ __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_
 
 MSE_BITS = (2, 3, 4)
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
-TILE_ELEMENTS = 2048  # default BLOCK_ROWS * BLOCK_D of one program (registers: an fp64 copy of the tile)
+LOAD_TILE_ELEMENTS = 8192  # default BLOCK_ROWS * BLOCK_D of a load program (64 rows of 128)
 
 # error flags raised by the store kernel when CHECK is on
 FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW, FLAG_VALUE_NONFINITE, FLAG_VALUE_OVERFLOW = 1, 2, 4, 8
@@ -64,185 +82,363 @@ FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW, FLAG_VALUE_NONFINITE, FLAG_VALUE_OVERFLOW
 # ----------------------------------------------------------------------------- kernels
 
 
+# Under TRITON_INTERPRET every call of a @triton.jit helper costs ~0.2 ms, so the helpers below
+# loop over tuples instead of recursing.
+
+
 @triton.jit
-def _encode_part(
+def _join_columns(us, BR: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
+    """Tuple of ``N`` ``[BR, W]`` tensors -> ``[BR, N W]`` (item ``u`` in columns ``u W .. u W + W - 1``).
+
+    Pairwise joins: the new dimension of a join is held by the thread that holds its operands.
+    """
+    xs = us
+    for level in tl.static_range(N.bit_length() - 1):  # pieces of W << level columns
+        ys = ()
+        for i in tl.static_range(N >> (level + 1)):
+            ys = ys + (tl.reshape(tl.permute(tl.join(xs[2 * i], xs[2 * i + 1]), (0, 2, 1)), [BR, 2 * W << level]),)
+        xs = ys
+    return xs[0]
+
+
+@triton.jit
+def _split_columns(x, BR: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
+    """Inverse of ``_join_columns``: ``[BR, N W]`` -> tuple of ``N`` ``[BR, W]`` (top bit first)."""
+    xs = (x,)
+    for level in tl.static_range(N.bit_length() - 1):  # pieces of N W >> level columns
+        ys = ()
+        for i in tl.static_range(1 << level):
+            lo, hi = tl.split(tl.permute(tl.reshape(xs[i], [BR, 2, N * W // 2 >> level]), (0, 2, 1)))
+            ys = ys + (lo, hi)
+        xs = ys
+    return xs
+
+
+@triton.jit
+def _fwht(x, BR: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    """``kvlab.rotation.fwht`` of the rows of ``x [BR, N]``: the same butterflies in the same order.
+
+    Stage ``h``: view the row as ``[N / 2h, 2, h]``, split the middle axis into the pair
+    ``(a, b)`` and join ``(a + b, a - b)`` back in its place. Register-to-register when a thread
+    holds whole rows.
+    """
+    for s in tl.static_range(LOG_N):  # h = 1 << s
+        a, b = tl.split(tl.permute(tl.reshape(x, [BR, N >> (s + 1), 2, 1 << s]), (0, 1, 3, 2)))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [BR, N])
+    return x
+
+
+@triton.jit
+def _thresholds(n, mid_ptr, tie_ptr, NUM_BOUNDARIES: tl.constexpr):
+    """Per-row float32 thresholds ``t_i`` with ``fl(y / n) > b_i  <=>  y > t_i`` for every float32 ``y``.
+
+    ``fl(y / n) > b`` (round to nearest even) holds iff ``y / n > m``, or ``y / n == m`` when the tie
+    rounds up, where ``m`` is the midpoint between ``b`` and the next float32 (``mid_ptr``, float64;
+    ``tie_ptr``: 1 where a tie rounds up). ``T = m n`` is exact in float64 (25 x 24 bits), so the
+    condition is ``y > T`` (or ``y >= T``), i.e. ``y > t`` with ``t`` = ``T`` rounded down to float32
+    (or the float32 below ``T`` rounded up). One division-free compare per boundary and element.
+    """
+    n64 = tl.where(n > 0, n, 1.0).to(tl.float64)  # the reference divides zero vectors by 1
+    ts = ()
+    for i in tl.static_range(NUM_BOUNDARIES):
+        t_exact = n64 * tl.load(mid_ptr + i)
+        t = t_exact.to(tl.float32)  # nearest
+        back = t.to(tl.float64)
+        down = (back > t_exact) | ((back == t_exact) & (tl.load(tie_ptr + i) != 0))
+        # the float32 below t: step the integer that orders floats like numbers (+-0 -> 0)
+        b = t.to(tl.int32, bitcast=True)
+        key = tl.where(b >= 0, b, -(b & 0x7FFFFFFF)) - 1
+        below = tl.where(key >= 0, key, (-key) | -2147483648).to(tl.float32, bitcast=True)
+        ts = ts + (tl.where(down, below, t)[:, None],)
+    return ts
+
+
+@triton.jit
+def _bucketize(y, ts, BITS: tl.constexpr):
+    """Number of thresholds ``ts`` (ascending, ``2**BITS - 1``) strictly below ``y``: a binary search.
+
+    Each outcome halves the candidate thresholds right away (one select per remaining candidate):
+    ``BITS`` compares and ``2**BITS - BITS - 1`` selects. Outcomes are integer masks, the sign of
+    ``t - y`` (exact: a float difference is zero only for equal operands, no threshold is ``-0``,
+    and the kernel is compiled without FMA contraction), and selects are bit operations: no
+    predicate registers, which run short otherwise.
+    """
+    idx = tl.zeros(y.shape, dtype=tl.int32)
+    cands = ()
+    for i in tl.static_range((1 << BITS) - 1):
+        cands = cands + (ts[i].to(tl.int32, bitcast=True),)
+    for level in tl.static_range(BITS):
+        # 2 h + 1 candidates, h = 2**(BITS - 1 - level) - 1: the middle one splits them
+        t = cands[(1 << (BITS - 1 - level)) - 1].to(tl.float32, bitcast=True)
+        m = (t - y).to(tl.int32, bitcast=True) >> 31  # -1 where y > t, else 0
+        idx = idx | (m & (1 << (BITS - 1 - level)))
+        picked = ()
+        for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
+            lo, hi = cands[i], cands[(1 << (BITS - 1 - level)) + i]
+            picked = picked + (lo ^ ((lo ^ hi) & m),)
+        cands = picked
+    return idx.to(tl.uint32)
+
+
+@triton.jit
+def _code_bits(ws, n16, GROUP_BITS: tl.constexpr, INDEX_BYTES: tl.constexpr, START: tl.constexpr, NBITS: tl.constexpr):
+    """Bits ``[START, START + NBITS)`` (``NBITS <= 32``) of a code, as uint32 ``[BR]``.
+
+    The code is a little-endian bit stream: groups of ``GROUP_BITS`` bits (``ws``, 8 indices each;
+    the bits past the last index are zero), then from byte ``INDEX_BYTES`` the 16-bit norm ``n16``.
+    Compile-time shifts of the pieces that overlap the range.
+    """
+    v = n16 & 0
+    for g in tl.static_range(len(ws) + 1):
+        if g < len(ws):
+            if g * GROUP_BITS < START + NBITS and (g + 1) * GROUP_BITS > START:
+                if g * GROUP_BITS >= START:
+                    v = v | (ws[g] << (g * GROUP_BITS - START))
+                else:
+                    v = v | (ws[g] >> (START - g * GROUP_BITS))
+        elif 8 * INDEX_BYTES < START + NBITS and 8 * INDEX_BYTES + 16 > START:
+            if 8 * INDEX_BYTES >= START:
+                v = v | (n16 << (8 * INDEX_BYTES - START))
+            else:
+                v = v | (n16 >> (START - 8 * INDEX_BYTES))
+    if NBITS < 32:
+        v = v & ((1 << NBITS) - 1)
+    return v
+
+
+@triton.jit
+def _encode_rows(
     # pointers
-    y_ptr,  # fp32 [num_rows, D]: rotated vectors of this part (key or value)
-    bnd_ptr,  # fp32 [NUM_BOUNDARIES]: Lloyd-Max boundaries, ascending
+    x_ptr,  # HADAMARD: the input rows (fp16/bf16/fp32); else the rotated rows (fp32)
+    sign_ptr,  # HADAMARD: int16/int32 [D]: the sign bit of the rotation's sign, per column
+    mid_ptr,  # fp64 [2**BITS - 1]: midpoints between each boundary and the next float32
+    tie_ptr,  # int32 [2**BITS - 1]: 1 where a value at the midpoint rounds up
     cache_ptr,  # uint8: the cache, addressed by byte offsets
     status_ptr,  # int32 [1]: error flags, OR-ed in when CHECK
     # this tile's rows
     o_r,  # [BR] int64: row ids (token * num_heads + head)
     m_r,  # [BR] bool: rows to write (in range, slot valid)
     o_dst,  # [BR] int64: byte offset of this part's code in the row's slot
+    stride_x,  # elements between rows of x
+    scale,  # fp32: 1 / sqrt(D) (HADAMARD)
+    flag_nonfinite,  # error bits OR-ed into status (CHECK)
+    flag_overflow,
     # settings
-    D: tl.constexpr,  # dim
+    D: tl.constexpr,
+    C: tl.constexpr,  # chunks of 8 columns (a power of two, 8 C >= D)
+    LOG_D: tl.constexpr,  # HADAMARD: log2(D), the number of butterfly stages
     BLOCK_ROWS: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # groups of 8 elements per row (power of two, 8 * BLOCK_G >= D)
     BITS: tl.constexpr,
-    NUM_BOUNDARIES: tl.constexpr,  # 2**BITS - 1
-    INDEX_BYTES: tl.constexpr,  # ceil(D * BITS / 8)
+    INDEX_BYTES: tl.constexpr,
+    HEAD: tl.constexpr,  # bytes before the code's first 4-byte aligned address; -1: alignment unknown
+    HADAMARD: tl.constexpr,  # rotate here (fused) instead of reading rotated rows
     CHECK: tl.constexpr,
-    FLAG_NONFINITE: tl.constexpr,
-    FLAG_OVERFLOW: tl.constexpr,
 ):
-    o_g = tl.arange(0, BLOCK_G)
+    BR: tl.constexpr = BLOCK_ROWS
     o_k = tl.arange(0, 8)
-    o_j = tl.arange(0, 4)
-    o_d = o_g[:, None] * 8 + o_k[None, :]  # [BG, 8] element index d = 8 g + k
-    m_d = o_d < D
-    m = m_r[:, None, None] & m_d[None, :, :]  # [BR, BG, 8]
+    # The rows, as C chunks of 8 columns, each one [BR, 16 bytes] load: a thread per row, so the
+    # butterflies, the norm and the thresholds stay in registers. The signs are loaded in the same
+    # shape (one broadcast 16-byte load per chunk) so that they share that layout.
+    W: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth  # columns per 16 bytes
+    o_w = tl.arange(0, W)
+    o_zero = (o_r * 0)[:, None]  # [BR, 1] zeros: broadcast loads of the signs
+    chunks = ()
+    for c in tl.static_range(C):
+        parts = ()
+        for q in tl.static_range(8 // W):
+            o_d = c * 8 + q * W + o_w
+            b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m_r[:, None] & (o_d < D)[None, :], other=0.0)
+            if HADAMARD:
+                # x * signs: flip the sign bits (exact, like the multiplication by +-1)
+                b_s = tl.load(sign_ptr + o_zero + o_d[None, :], mask=(o_d < D)[None, :], other=0)
+                b_x = (b_x.to(b_s.dtype, bitcast=True) ^ b_s).to(b_x.dtype, bitcast=True)
+            parts = parts + (b_x.to(tl.float32),)
+        chunks = chunks + (_join_columns(parts, BR, 8 // W, W),)
+    b_y = _join_columns(chunks, BR, C, 8)  # [BR, 8 C] fp32, a thread per row
+    if HADAMARD:
+        b_y = _fwht(b_y, BR, 8 * C, LOG_D) * scale  # stages h < D: padding columns stay zero
 
-    p_y = y_ptr + o_r[:, None, None] * D + o_d[None, :, :]
-    b_y = tl.load(p_y, mask=m, other=0.0)  # [BR, BG, 8] fp32
+    ys = _split_columns(b_y, BR, C, 8)  # C x [BR, 8]: quantized chunk by chunk (registers)
 
-    # norm as in the reference: fp64 sum of squares (each square exact), sqrt in fp64
-    # (tl.sqrt lowers to the IEEE sqrt for fp64), rounded once to fp32
-    b_y64 = b_y.to(tl.float64)
-    b_norm = tl.sqrt(tl.sum(tl.sum(b_y64 * b_y64, axis=2), axis=1)).to(tl.float32)  # [BR]
-    b_unit = tl.math.div_rn(b_y, tl.where(b_norm > 0, b_norm, 1.0)[:, None, None])  # [BR, BG, 8]
+    # norm as in the reference: fp64 sum of squares (each square exact, so a fused multiply-add
+    # rounds like the multiply then the add), sqrt in fp64 (tl.sqrt lowers to the IEEE sqrt for
+    # fp64), rounded once to fp32
+    b_sq = tl.zeros([BR, 8], dtype=tl.float64)
+    for c in tl.static_range(C):
+        b_y64 = ys[c].to(tl.float64)
+        b_sq = tl.fma(b_y64, b_y64, b_sq)
+    b_norm = tl.sqrt(tl.sum(b_sq, axis=1)).to(tl.float32)  # [BR]
 
-    # index = number of boundaries strictly below the coordinate (torch.bucketize, right=False)
-    b_idx = tl.zeros([BLOCK_ROWS, BLOCK_G, 8], dtype=tl.uint32)
-    for i in tl.static_range(NUM_BOUNDARIES):
-        b_idx += (b_unit > tl.load(bnd_ptr + i)).to(tl.uint32)
-    b_idx = tl.where(m_d[None, :, :], b_idx, 0)  # padding elements pack as zero bits
+    # index = number of boundaries strictly below y / norm (torch.bucketize), without dividing;
+    # then pack: index k of chunk (group) c sits at bit BITS * k of the group's word (BITS bytes)
+    ts = _thresholds(b_norm, mid_ptr, tie_ptr, (1 << BITS) - 1)
+    ws = ()
+    for c in tl.static_range(C):
+        b_idx = _bucketize(ys[c], ts, BITS)  # [BR, 8] uint32
+        if 8 * C != D:
+            b_idx = tl.where((c * 8 + o_k < D)[None, :], b_idx, 0)  # padding elements pack as zero bits
+        ws = ws + (tl.sum(b_idx << (o_k * BITS).to(tl.uint32)[None, :], axis=1),)  # [BR] uint32
 
-    # pack: index k of group g sits at bit BITS * k of the group's word, which is code bytes
-    # [BITS * g, BITS * g + BITS), little-endian
-    b_word = tl.sum(b_idx << (o_k * BITS).to(tl.uint32)[None, None, :], axis=2)  # [BR, BG] uint32
-    b_bytes = ((b_word[:, :, None] >> (o_j * 8).to(tl.uint32)[None, None, :]) & 0xFF).to(tl.uint8)  # [BR, BG, 4]
-    o_b = o_g[:, None] * BITS + o_j[None, :]  # [BG, 4] byte in the code
-    m_b = (o_j[None, :] < BITS) & (o_b < INDEX_BYTES)
-    p_b = cache_ptr + o_dst[:, None, None] + o_b[None, :, :]
-    tl.store(p_b, b_bytes, mask=m_r[:, None, None] & m_b[None, :, :])
-
-    # the fp16 norm, little-endian, right after the indices
-    o_n = tl.arange(0, 2)
+    # store the code (indices, then the fp16 norm): 4-byte words, coalesced, between a head and a
+    # tail of at most 3 bytes each, stored per row
     b_n16 = b_norm.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)  # [BR]
-    b_nbytes = ((b_n16[:, None] >> (o_n * 8).to(tl.uint32)[None, :]) & 0xFF).to(tl.uint8)  # [BR, 2]
-    p_n = cache_ptr + o_dst[:, None] + INDEX_BYTES + o_n[None, :]
-    tl.store(p_n, b_nbytes, mask=m_r[:, None])
+    CODE_BYTES: tl.constexpr = INDEX_BYTES + 2
+    if HEAD >= 0:
+        NUM_WORDS: tl.constexpr = (CODE_BYTES - HEAD) // 4
+        TAIL: tl.constexpr = CODE_BYTES - HEAD - 4 * NUM_WORDS
+        BLOCK_W: tl.constexpr = triton.next_power_of_2(NUM_WORDS)
+        us = ()
+        for i in tl.static_range(BLOCK_W):
+            us = us + (_code_bits(ws, b_n16, 8 * BITS, INDEX_BYTES, 8 * (HEAD + 4 * min(i, NUM_WORDS - 1)), 32)[:, None],)
+        b_w = tl.reshape(_join_columns(us, BR, BLOCK_W, 1), [BR, BLOCK_W])  # [BR, BLOCK_W]: words (the padding repeats the last)
+        o_u = tl.arange(0, BLOCK_W)
+        p_w = (cache_ptr + o_dst + HEAD).to(tl.pointer_type(tl.uint32))
+        tl.store(p_w[:, None] + o_u[None, :], b_w, mask=m_r[:, None] & (o_u < NUM_WORDS)[None, :])
+        for j in tl.static_range(HEAD):
+            tl.store(cache_ptr + o_dst + j, _code_bits(ws, b_n16, 8 * BITS, INDEX_BYTES, 8 * j, 8).to(tl.uint8), mask=m_r)
+        for j in tl.static_range(TAIL):
+            b = CODE_BYTES - TAIL + j
+            tl.store(cache_ptr + o_dst + b, _code_bits(ws, b_n16, 8 * BITS, INDEX_BYTES, 8 * b, 8).to(tl.uint8), mask=m_r)
+    else:
+        # alignment unknown: bytes, coalesced
+        BLOCK_B: tl.constexpr = triton.next_power_of_2(CODE_BYTES)
+        us = ()
+        for j in tl.static_range(BLOCK_B):
+            us = us + (_code_bits(ws, b_n16, 8 * BITS, INDEX_BYTES, 8 * min(j, CODE_BYTES - 1), 8)[:, None],)
+        b_b = tl.reshape(_join_columns(us, BR, BLOCK_B, 1), [BR, BLOCK_B])  # [BR, BLOCK_B]
+        o_u = tl.arange(0, BLOCK_B)
+        tl.store(cache_ptr + o_dst[:, None] + o_u[None, :], b_b.to(tl.uint8), mask=m_r[:, None] & (o_u < CODE_BYTES)[None, :])
 
     if CHECK:
         m_bad = m_r & ~(b_norm < float("inf"))  # NaN or Inf
         m_big = m_r & (b_norm > 65504.0) & (b_norm < float("inf"))
-        b_flags = tl.max(m_bad.to(tl.int32), axis=0) * FLAG_NONFINITE | tl.max(m_big.to(tl.int32), axis=0) * FLAG_OVERFLOW
+        b_flags = tl.max(m_bad.to(tl.int32), axis=0) * flag_nonfinite | tl.max(m_big.to(tl.int32), axis=0) * flag_overflow
         tl.atomic_or(status_ptr, b_flags, mask=b_flags != 0)  # one atomic per program, only on error
 
 
 @triton.jit
 def _store_mse_kernel(
     # pointers
-    key_ptr,  # fp32 [num_rows, D]: rotated keys, row = token * num_heads + head
-    value_ptr,  # fp32 [num_rows, D]: rotated values
+    x_ptr,  # rows [num_rows, D]: the input (HADAMARD) or the rotated rows (fp32)
+    sign_ptr,  # HADAMARD: int16/int32 [D] sign bits of the rotation's signs
+    mid_ptr,  # fp64 [2**BITS - 1]: boundary midpoints (see _thresholds)
+    tie_ptr,  # int32 [2**BITS - 1]
     slot_ptr,  # int32/int64 [num_tokens]
-    cache_ptr,  # uint8 [num_blocks, block_size, num_heads, slot_bytes], last dim contiguous
-    key_bnd_ptr,  # fp32 [2**KEY_BITS - 1]
-    value_bnd_ptr,  # fp32 [2**VALUE_BITS - 1]
+    cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
     status_ptr,  # int32 [1]: error flags (CHECK only)
-    # sizes and strides
+    # scalars, sizes and strides
+    scale,  # fp32 1 / sqrt(D) (HADAMARD)
+    stride_x,  # elements between rows of x_ptr
     num_rows,
-    num_heads,
-    num_slots,  # num_blocks * block_size
-    block_size,
+    num_slots,  # num_blocks * BLOCK_SIZE
+    offset,  # byte of this part's code (key or value) in a slot
     stride_slot,
     stride_block,
     stride_pos,
     stride_head,
+    flag_nonfinite,  # the bits this part OR-s into status
+    flag_overflow,
     # settings
     D: tl.constexpr,
+    C: tl.constexpr,  # chunks of 8 columns (a power of two, 8 C >= D)
+    LOG_D: tl.constexpr,
+    NUM_HEADS: tl.constexpr,  # compile-time: the row -> (token, head) and slot -> (block, offset)
+    BLOCK_SIZE: tl.constexpr,  # divisions become multiplications
     BLOCK_ROWS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    KEY_BITS: tl.constexpr,
-    KEY_BOUNDARIES: tl.constexpr,
-    KEY_INDEX_BYTES: tl.constexpr,
-    VALUE_BITS: tl.constexpr,
-    VALUE_BOUNDARIES: tl.constexpr,
-    VALUE_INDEX_BYTES: tl.constexpr,
-    VALUE_OFFSET: tl.constexpr,  # byte of the value code in a slot
+    BITS: tl.constexpr,
+    INDEX_BYTES: tl.constexpr,
+    HEAD: tl.constexpr,
+    HADAMARD: tl.constexpr,
     CHECK: tl.constexpr,
 ):
+    # one part (key or value) per launch: the kernels are half the size (and compile in half the time)
     i_p = tl.program_id(0).to(tl.int64)
     o_r = i_p * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] int64 rows
     m_r = o_r < num_rows
-    o_t, o_h = o_r // num_heads, o_r % num_heads  # token, head
+    o_t, o_h = o_r // NUM_HEADS, o_r % NUM_HEADS  # token, head
     b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
     m_w = m_r & (b_slot >= 0) & (b_slot < num_slots)  # out-of-range slots are never written
-    o_slot = (b_slot // block_size) * stride_block + (b_slot % block_size) * stride_pos + o_h * stride_head
-
-    _encode_part(key_ptr, key_bnd_ptr, cache_ptr, status_ptr, o_r, m_w, o_slot,
-                 D, BLOCK_ROWS, BLOCK_G, KEY_BITS, KEY_BOUNDARIES, KEY_INDEX_BYTES,
-                 CHECK, 1, 2)  # FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW
-    _encode_part(value_ptr, value_bnd_ptr, cache_ptr, status_ptr, o_r, m_w, o_slot + VALUE_OFFSET,
-                 D, BLOCK_ROWS, BLOCK_G, VALUE_BITS, VALUE_BOUNDARIES, VALUE_INDEX_BYTES,
-                 CHECK, 4, 8)  # FLAG_VALUE_NONFINITE, FLAG_VALUE_OVERFLOW
+    o_dst = (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + offset
+    _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, cache_ptr, status_ptr,
+                 o_r, m_w, o_dst, stride_x, scale, flag_nonfinite, flag_overflow,
+                 D, C, LOG_D, BLOCK_ROWS, BITS, INDEX_BYTES, HEAD, HADAMARD, CHECK)
 
 
 @triton.jit
 def _load_mse_kernel(
     # pointers
-    cache_ptr,  # uint8 [num_blocks, block_size, num_heads, slot_bytes], last dim contiguous
+    cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
     slot_ptr,  # int32/int64 [num_tokens]
     cent_ptr,  # fp32 [2**BITS]: centroids
-    out_ptr,  # [num_rows, D] out dtype; row = token * num_heads + head
+    out_ptr,  # [num_rows, D] out dtype; row = token * NUM_HEADS + head
     # sizes and strides
     num_rows,
-    num_heads,
     num_slots,
-    block_size,
     stride_slot,
     stride_block,
     stride_pos,
     stride_head,
     # settings
     D: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # groups of 8 elements per row (power of two, 8 * BLOCK_G >= D)
     BITS: tl.constexpr,
     INDEX_BYTES: tl.constexpr,
     OFFSET: tl.constexpr,  # byte of this part's code (key or value) in a slot
+    UNIT: tl.constexpr,  # bytes per load of the code (1, 2 or 4): every group starts UNIT-aligned
+    NORM_ALIGNED: tl.constexpr,  # every norm starts 2-byte aligned
     NORM_CORRECTION: tl.constexpr,
     BF16_BY_BITS: tl.constexpr,  # round fp32 -> bf16 with integer ops (interpreter only)
 ):
+    # A thread decodes groups of 8 elements: BITS bytes of code in, 16 bytes of fp16 out.
     i_p = tl.program_id(0).to(tl.int64)
     o_r = i_p * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] int64 rows
     m_r = o_r < num_rows
-    o_t, o_h = o_r // num_heads, o_r % num_heads
+    o_t, o_h = o_r // NUM_HEADS, o_r % NUM_HEADS
     b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
     m_s = m_r & (b_slot >= 0) & (b_slot < num_slots)  # rows read from the cache; the others are 0
-    o_src = (b_slot // block_size) * stride_block + (b_slot % block_size) * stride_pos + o_h * stride_head + OFFSET
+    o_src = (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + OFFSET
 
     o_g = tl.arange(0, BLOCK_G)
     o_k = tl.arange(0, 8)
-    o_j = tl.arange(0, 4)
-    o_d = o_g[:, None] * 8 + o_k[None, :]  # [BG, 8] element index d = 8 g + k
-    m_d = o_d < D
 
-    # bytes [BITS g, BITS g + BITS) of the code are the word of group g
-    o_b = o_g[:, None] * BITS + o_j[None, :]  # [BG, 4]
-    m_b = (o_j[None, :] < BITS) & (o_b < INDEX_BYTES)
-    p_b = cache_ptr + o_src[:, None, None] + o_b[None, :, :]
-    b_bytes = tl.load(p_b, mask=m_s[:, None, None] & m_b[None, :, :], other=0).to(tl.uint32)  # [BR, BG, 4]
-    b_word = tl.sum(b_bytes << (o_j * 8).to(tl.uint32)[None, None, :], axis=2)  # [BR, BG]
-    b_idx = (b_word[:, :, None] >> (o_k * BITS).to(tl.uint32)[None, None, :]) & ((1 << BITS) - 1)  # [BR, BG, 8]
+    # the word of group g: code bytes [BITS g, BITS g + BITS), little-endian, loaded UNIT bytes at
+    # a time, one load per unit. The addresses are laid out [BG, BR], groups first, so that the
+    # compiler puts consecutive groups of a row on consecutive lanes (coalesced, like the output).
+    p_g = cache_ptr + o_src[None, :] + (o_g * BITS)[:, None]  # [BG, BR] byte address of each group
+    m_g = m_s[None, :] & (o_g * BITS < INDEX_BYTES)[:, None]
+    b_word = tl.zeros([BLOCK_G, BLOCK_ROWS], dtype=tl.uint32)
+    for j in tl.static_range(BITS // UNIT):
+        if UNIT == 4:
+            b_u = tl.load((p_g + 4 * j).to(tl.pointer_type(tl.uint32)), mask=m_g, other=0)
+        elif UNIT == 2:
+            b_u = tl.load((p_g + 2 * j).to(tl.pointer_type(tl.uint16)), mask=m_g, other=0).to(tl.uint32)
+        else:
+            b_u = tl.load(p_g + j, mask=m_g & (o_g * BITS + j < INDEX_BYTES)[:, None], other=0).to(tl.uint32)
+        b_word = b_word | (b_u << (8 * UNIT * j))
+    b_idx = (b_word[:, :, None] >> (o_k * BITS).to(tl.uint32)[None, None, :]) & ((1 << BITS) - 1)  # [BG, BR, 8]
 
-    b_c = tl.load(cent_ptr + b_idx)  # [BR, BG, 8] fp32, gathered from a table of 2**BITS
-    b_c = tl.where(m_d[None, :, :], b_c, 0.0)
+    b_c = tl.load(cent_ptr + b_idx)  # [BG, BR, 8] fp32, gathered from a table of 2**BITS (one cache line)
+    if 8 * BLOCK_G != D:
+        b_c = tl.where((o_g[:, None] * 8 + o_k[None, :] < D)[:, None, :], b_c, 0.0)
 
-    # the fp16 norm, little-endian (widen to uint16 before shifting)
-    p_n = cache_ptr + o_src + INDEX_BYTES
-    b_lo = tl.load(p_n, mask=m_s, other=0).to(tl.uint16)
-    b_hi = tl.load(p_n + 1, mask=m_s, other=0).to(tl.uint16)
-    b_norm = (b_lo | (b_hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)  # [BR]
+    # the fp16 norm, little-endian, right after the indices
+    if NORM_ALIGNED:
+        b_n = tl.load((cache_ptr + o_src + INDEX_BYTES).to(tl.pointer_type(tl.uint16)), mask=m_s, other=0)
+    else:
+        p_n = cache_ptr + o_src + INDEX_BYTES
+        b_n = tl.load(p_n, mask=m_s, other=0).to(tl.uint16) | (tl.load(p_n + 1, mask=m_s, other=0).to(tl.uint16) << 8)
+    b_norm = b_n.to(tl.float16, bitcast=True).to(tl.float32)  # [BR]; 0 for rows not read
 
     if NORM_CORRECTION:
-        # renormalise the centroid vector; one scale per row instead of a division per element
-        b_energy = tl.sum(tl.sum(b_c * b_c, axis=2), axis=1)  # [BR]
-        b_scale = b_norm / tl.maximum(tl.sqrt_rn(b_energy), 1e-12)
+        # renormalise the centroid vector: one scale per row (approximate reciprocal square root)
+        b_energy = tl.sum(tl.sum(b_c * b_c, axis=2), axis=0)  # [BR]
+        b_scale = b_norm * tl.math.rsqrt(tl.maximum(b_energy, 1e-24))
     else:
         b_scale = b_norm
-    b_out = tl.where(m_s[:, None, None], b_c * b_scale[:, None, None], 0.0)  # [BR, BG, 8]
+    b_out = tl.permute(b_c * b_scale[None, :, None], (1, 0, 2))  # [BR, BG, 8]; rows not read: 0
 
     if BF16_BY_BITS:
         # round to nearest even by hand: Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU
@@ -250,29 +446,114 @@ def _load_mse_kernel(
         b_bits = b_out.to(tl.uint32, bitcast=True)
         b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16
         b_out = b_bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    p_out = out_ptr + o_r[:, None, None] * D + o_d[None, :, :]
-    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_r[:, None, None] & m_d[None, :, :])
+    o_d = tl.arange(0, 8 * BLOCK_G)
+    p_out = out_ptr + o_r[:, None] * D + o_d[None, :]  # [BR, 8 BG]: 16-byte vector stores
+    b_out = tl.reshape(b_out.to(out_ptr.dtype.element_ty), [BLOCK_ROWS, 8 * BLOCK_G])
+    tl.store(p_out, b_out, mask=m_r[:, None] & (o_d < D)[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
 
 
-_TABLES = weakref.WeakKeyDictionary()  # codec -> {device: (sources, (R, boundaries, centroids))}
+_TABLES = weakref.WeakKeyDictionary()  # codec -> {(name, device, ...): (source tensor, table)}
 
 
-def _device_tables(codec, device: torch.device):
-    """``(rotation, boundaries, centroids)`` of ``codec`` as fp32 on ``device``, copied once per device."""
-    sources = (codec.rotation, codec.boundaries, codec.centroids)
+def _cached(codec, key, source, build):
+    """``build(source)``, cached per codec while ``source`` (a codec attribute) stays the same object."""
     try:
-        per_device = _TABLES.setdefault(codec, {})
-    except TypeError:  # not weak-referenceable: copy every call
-        per_device = {}
-    hit = per_device.get(device)
-    if hit is not None and all(a is b for a, b in zip(hit[0], sources)):
+        per_codec = _TABLES.setdefault(codec, {})
+    except TypeError:  # not weak-referenceable: build every call
+        per_codec = {}
+    hit = per_codec.get(key)
+    if hit is not None and hit[0] is source:
         return hit[1]
-    tables = tuple(t.to(device=device, dtype=torch.float32).contiguous() for t in sources)
-    per_device[device] = (sources, tables)
-    return tables
+    table = build(source)
+    per_codec[key] = (source, table)
+    return table
+
+
+def _rotation(codec, device):
+    """The dense rotation ``R`` (float32) on ``device``."""
+    return _cached(codec, ("rotation", device), codec.rotation,
+                   lambda r: r.to(device=device, dtype=torch.float32).contiguous())
+
+
+def _centroids(codec, device):
+    return _cached(codec, ("centroids", device), codec.centroids,
+                   lambda c: c.to(device=device, dtype=torch.float32).contiguous())
+
+
+def _midpoints(codec, device):
+    """``(mid, tie)`` on ``device`` for the store's division-free compare (see ``_thresholds``).
+
+    ``mid[i]`` (float64) is the midpoint between boundary ``i`` (float32) and the next float32 up;
+    ``tie[i]`` (int32) is 1 where a value exactly at the midpoint rounds up (to the even neighbour).
+    """
+    def build(boundaries):
+        b = boundaries.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(b).all()) or bool((b[1:] <= b[:-1]).any()):
+            raise ValueError("codec.boundaries must be finite and strictly ascending")
+        up = torch.nextafter(b, torch.tensor(float("inf")))
+        mid = (b.double() + up.double()) / 2  # exact: a 25-bit significand
+        tie = ((up.view(torch.int32) & 1) == 0).to(torch.int32)  # round half to even
+        return mid.to(device), tie.to(device)
+
+    return _cached(codec, ("midpoints", device), codec.boundaries, build)
+
+
+def _hadamard_signs(codec):
+    """``codec.hadamard_signs`` when the codec has a Hadamard rotation the store can fuse, else None."""
+    signs = getattr(codec, "hadamard_signs", None)
+    if signs is None:
+        return None
+    dim = codec.dim
+    C.check_tensor("codec.hadamard_signs", signs, C.FLOAT_DTYPES)
+    if dim & (dim - 1) or tuple(signs.shape) != (dim,):
+        raise ValueError(f"hadamard_signs must have shape ({dim},) for a power-of-two dim, got {tuple(signs.shape)} (dim {dim})")
+    return signs
+
+
+def _sign_bits(codec, device, dtype):
+    """The sign bit of each of the codec's Hadamard signs, as an int16/int32 [dim] mask for ``dtype`` inputs."""
+    def build(signs):
+        s = signs.detach().to("cpu", torch.float64)
+        if not bool(((s == 1) | (s == -1)).all()):
+            raise ValueError("hadamard_signs must hold only +1 and -1")
+        if dtype == torch.float32:
+            return torch.where(s < 0, -(2**31), 0).to(torch.int32).to(device)
+        return torch.where(s < 0, -(2**15), 0).to(torch.int16).to(device)
+
+    return _cached(codec, ("sign_bits", device, dtype.itemsize), codec.hadamard_signs, build)
+
+
+def _hadamard_scale(codec) -> float:
+    scale = getattr(codec, "hadamard_scale", None)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise TypeError(f"hadamard_scale must be a positive float (1/sqrt(dim)), got {scale!r}")
+    return float(scale)
+
+
+def _alignment(cache, offset: int) -> int:
+    """The largest of 1, 2, 4 dividing the address of every slot's byte ``offset`` in ``cache``."""
+    g = cache.data_ptr() + offset
+    for s in cache.stride()[:3]:
+        g = math.gcd(g, s)
+    return 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
+
+
+def _store_head(cache, offset: int, code_bytes: int) -> int:
+    """Bytes from every code of this part to its first 4-byte aligned address.
+
+    -1 (store bytes) when that varies between slots or leaves no whole 4-byte word.
+    """
+    head = -(cache.data_ptr() + offset) % 4
+    if any(s % 4 for s in cache.stride()[:3]) or code_bytes - head < 4:
+        return -1
+    return head
+
+
+def _store_block_d(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
 
 
 def _check_codec(name: str, codec) -> None:
@@ -320,7 +601,7 @@ def _block_g(dim: int) -> int:
 
 
 def _default_block_rows(dim: int) -> int:
-    return max(1, min(256, TILE_ELEMENTS // (GROUP * _block_g(dim))))
+    return max(1, min(256, LOAD_TILE_ELEMENTS // (GROUP * _block_g(dim))))
 
 
 def _interpreted() -> bool:
@@ -354,7 +635,12 @@ def store_mse(
     and no NaN/Inf or norm above 65504 in the written rows of ``key``/``value`` (ValueError, raised
     after the launch: the call's slots are then written). Rows with slot -1 are not checked.
     ``check=False`` skips those checks and never syncs; out-of-range slots are then skipped silently.
-    ``block_rows`` (a power of two; default ~2048 elements per tile) and ``num_warps`` tune the launch.
+
+    Hadamard codecs (``codec.hadamard_signs`` set) are rotated inside the kernel, from the input
+    rows; Haar codecs by a float32 torch GEMM first (see the module docstring). ``num_warps`` and
+    ``block_rows`` (a power of two) tune the launch; the kernel holds one row per thread, so
+    ``block_rows = 32 * num_warps`` (the default) is the natural tile: fewer rows leave threads
+    computing copies, more rows put several rows in a thread's registers.
     """
     _check_codec("key_codec", key_codec)
     _check_codec("value_codec", value_codec)
@@ -382,39 +668,54 @@ def store_mse(
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     num_slots = num_blocks * block_size
     _check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, check)
-    block_rows = _default_block_rows(dim) if block_rows is None else block_rows
-    _check_tiling(block_rows, num_warps)
+    _check_tiling(32 if block_rows is None else block_rows, num_warps)
+    block_rows = 32 * num_warps if block_rows is None else block_rows  # default: one row per thread
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return
 
     device = cache.device
-    key_rot, key_bnd, _ = _device_tables(key_codec, device)
-    value_rot, value_bnd, _ = _device_tables(value_codec, device)
-    # the reference's rotation, as one GEMM per tensor: [num_rows, dim] fp32, contiguous
-    y_key = key.reshape(num_rows, dim).float() @ key_rot
-    y_value = value.reshape(num_rows, dim).float() @ value_rot
-    status = torch.zeros(1, dtype=torch.int32, device=device) if check else y_key  # unused when not checking
-
+    parts = []
+    for x, codec, offset, index_bytes in ((key, key_codec, 0, layout.key_bytes),
+                                          (value, value_codec, layout.value_offset, layout.value_bytes)):
+        signs = _hadamard_signs(codec)
+        if signs is not None:  # fused: the kernel rotates the input rows itself
+            rows = x.reshape(num_rows, dim)
+            rows = rows if rows.stride(1) == 1 else rows.contiguous()
+            sign_bits = _sign_bits(codec, device, rows.dtype)
+            scale = _hadamard_scale(codec)
+        else:  # the reference's rotation, as one GEMM per tensor: [num_rows, dim] fp32, contiguous
+            rows = x.reshape(num_rows, dim).float() @ _rotation(codec, device)
+            sign_bits, scale = rows, 1.0  # unused
+        mid, tie = _midpoints(codec, device)
+        parts.append(dict(rows=rows, signs=sign_bits, mid=mid, tie=tie, scale=scale, hadamard=signs is not None,
+                          head=_store_head(cache, offset, index_bytes + NORM_BYTES)))
+    status = torch.zeros(1, dtype=torch.int32, device=device) if check else parts[0]["mid"]  # unused when not checking
+    block_d = _store_block_d(dim)
     grid = (triton.cdiv(num_rows, block_rows),)
     with _on(device):
-        _store_mse_kernel[grid](
-            y_key, y_value, slot_mapping, cache, key_bnd, value_bnd, status,
-            num_rows, num_heads, num_slots, block_size,
-            slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
-            D=dim,
-            BLOCK_ROWS=block_rows,
-            BLOCK_G=_block_g(dim),
-            KEY_BITS=key_codec.bits,
-            KEY_BOUNDARIES=(1 << key_codec.bits) - 1,
-            KEY_INDEX_BYTES=layout.key_bytes,
-            VALUE_BITS=value_codec.bits,
-            VALUE_BOUNDARIES=(1 << value_codec.bits) - 1,
-            VALUE_INDEX_BYTES=layout.value_bytes,
-            VALUE_OFFSET=layout.value_offset,
-            CHECK=check,
-            num_warps=num_warps,
-        )
+        for p, codec, offset, index_bytes, flags in (
+            (parts[0], key_codec, 0, layout.key_bytes, (FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW)),
+            (parts[1], value_codec, layout.value_offset, layout.value_bytes, (FLAG_VALUE_NONFINITE, FLAG_VALUE_OVERFLOW)),
+        ):
+            _store_mse_kernel[grid](  # no FMA contraction: y = z * scale must be rounded before t - y
+                p["rows"], p["signs"], p["mid"], p["tie"], slot_mapping, cache, status,
+                p["scale"], p["rows"].stride(0), num_rows, num_slots, offset,
+                slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), *flags,
+                D=dim,
+                C=block_d // 8,
+                LOG_D=dim.bit_length() - 1,
+                NUM_HEADS=num_heads,
+                BLOCK_SIZE=block_size,
+                BLOCK_ROWS=block_rows,
+                BITS=codec.bits,
+                INDEX_BYTES=index_bytes,
+                HEAD=p["head"],
+                HADAMARD=p["hadamard"],
+                CHECK=check,
+                num_warps=num_warps,
+                enable_fp_fusion=False,
+            )
     if check:
         flags = int(status.item())
         for name, nonfinite, overflow in (("key", FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW),
@@ -458,7 +759,8 @@ def load_mse(
     the rotated result, in fp32, times ``R.T`` in one batched GEMM, then cast). Rows whose slot is
     ``-1`` (or, with ``check=False``, out of range) come out as zeros. The other part's bit width is
     inferred from the cache's ``slot_bytes``. ``check=True`` (default) checks the slot range with
-    one host sync; ``check=False`` does not sync.
+    one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 8192
+    elements per tile, 64 rows of 128) and ``num_warps`` tune the launch.
     """
     _check_codec("codec", codec)
     C.check_choice("part", part, ("key", "value"))
@@ -479,21 +781,26 @@ def load_mse(
     _check_tiling(block_rows, num_warps)
 
     device, dim, num_rows = cache.device, codec.dim, num_tokens * num_heads
-    rot, _, cent = _device_tables(codec, device)
+    rot, cent = _rotation(codec, device), _centroids(codec, device)
+    align = _alignment(cache, offset)
     out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" else torch.float32, device=device)
     if num_rows:
         grid = (triton.cdiv(num_rows, block_rows),)
         with _on(device):
             _load_mse_kernel[grid](
                 cache, slot_mapping, cent, out,
-                num_rows, num_heads, num_blocks * block_size, block_size,
+                num_rows, num_blocks * block_size,
                 slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
                 D=dim,
+                NUM_HEADS=num_heads,
+                BLOCK_SIZE=block_size,
                 BLOCK_ROWS=block_rows,
                 BLOCK_G=_block_g(dim),
                 BITS=codec.bits,
                 INDEX_BYTES=index_bytes,
                 OFFSET=offset,
+                UNIT=max(u for u in (1, 2, 4) if codec.bits % u == 0 and align % u == 0),
+                NORM_ALIGNED=align % 2 == 0 and index_bytes % 2 == 0,
                 NORM_CORRECTION=bool(codec.norm_correction),
                 BF16_BY_BITS=out.dtype == torch.bfloat16 and _interpreted(),
                 num_warps=num_warps,

@@ -5,7 +5,9 @@ does not depend on the device or on summation order (fp32 elementwise arithmetic
 accumulation for norms, comparisons), so the kernels can match the packed bytes exactly.
 
 * ``MSECodec``: rotate, take the norm, normalise, pick the nearest Lloyd-Max centroid of the
-  rotated coordinate distribution, pack the indices, append the fp16 norm.
+  rotated coordinate distribution, pack the indices, append the fp16 norm. The Haar rotation is a
+  float32 matrix product; the Hadamard rotation is ``fwht(x * signs) * scale``, a fixed sequence
+  of float32 additions (``kvlab.rotation.fwht``), so a kernel can reproduce it exactly.
 * ``AffineCodec``: asymmetric min/max quantization with one fp16 scale and one fp16 zero per group
   of ``group_size`` channels of a token (``axis="token"``) or tokens of a channel (``axis="channel"``).
 * ``write_slots`` / ``read_slots``: the paged MSE cache of ``kvlab.layout``.
@@ -20,7 +22,7 @@ import torch
 from . import _checks as C
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .lloyd_max import lloyd_max
-from .rotation import KINDS, rotation_matrix
+from .rotation import KINDS, fwht, hadamard_scale, hadamard_signs, rotation_matrix
 
 __all__ = [
     "AffineCodec",
@@ -88,6 +90,12 @@ class MSECodec:
     ``encode(x [..., dim]) -> uint8 [..., nbytes]`` and ``decode(codes, space="model"|"rotated")``.
     ``space="rotated"`` returns the vector in rotated coordinates (``y = x @ rotation``), which is
     what attention in rotated space consumes; ``"model"`` rotates it back.
+
+    ``rotation`` is always the dense float32 matrix (decoding uses it). With ``rotation="hadamard"``
+    the encoder does not multiply by it but computes the same product as
+    ``fwht(x.float() * hadamard_signs) * hadamard_scale`` (``hadamard_signs``: float32 ``+-1``
+    ``[dim]``; ``hadamard_scale``: ``1 / sqrt(dim)`` in float32), which is exactly reproducible;
+    for Haar codecs ``hadamard_signs`` and ``hadamard_scale`` are ``None``.
     """
 
     def __init__(self, dim: int, bits: int, rotation: str = "haar", seed: int = 0, norm_correction: bool = True):
@@ -101,6 +109,10 @@ class MSECodec:
         self.norm_correction = norm_correction
         self.quantizer = lloyd_max(bits, dim)
         self.rotation = rotation_matrix(rotation, dim, seed)  # validates dim for the kind
+        self.hadamard_signs = self.hadamard_scale = None
+        if rotation == "hadamard":  # x @ R == fwht(x * signs) * scale, R = diag(signs) H / sqrt(dim)
+            self.hadamard_signs = hadamard_signs(dim, seed).to(torch.float32)
+            self.hadamard_scale = hadamard_scale(dim)
         self.centroids = torch.tensor(self.quantizer.centroids, dtype=torch.float32)
         self.boundaries = torch.tensor(self.quantizer.boundaries, dtype=torch.float32)
         self.index_bytes = packed_bytes(dim, bits)
@@ -119,13 +131,20 @@ class MSECodec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1, last_dim=self.dim)
         C.check_finite("x", x)
-        y = x.float() @ self.rotation.to(x.device)
+        y = self.rotate(x)
         norm = y.double().square().sum(-1).sqrt().float()
         if bool((norm > C.FP16_MAX).any()):
             raise ValueError(f"x has vectors with norm above {C.FP16_MAX:g}; the norm is stored in fp16")
         unit = y / torch.where(norm > 0, norm, 1.0).unsqueeze(-1)
         idx = torch.bucketize(unit, self.boundaries.to(x.device))  # number of boundaries < unit
         return torch.cat([pack_indices(idx, self.bits), _fp16_bytes(norm)], -1)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ rotation`` in float32, computed as the encoder does (exactly reproducible for Hadamard)."""
+        if self.hadamard_signs is None:
+            return x.float() @ self.rotation.to(x.device)
+        scale = torch.tensor(self.hadamard_scale, dtype=torch.float32, device=x.device)
+        return fwht(x.float() * self.hadamard_signs.to(x.device)) * scale
 
     def decode(self, codes: torch.Tensor, space: str = "model") -> torch.Tensor:
         """uint8 ``[..., nbytes]`` -> float32 ``[..., dim]``."""

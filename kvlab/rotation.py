@@ -7,14 +7,16 @@ generator and only then cast and moved, so a seed gives the same matrix on every
 * ``haar``: a Haar-random orthogonal matrix, the Q factor of a Gaussian matrix with the signs of
   R's diagonal folded into Q (without that correction QR's output is not uniformly distributed).
 * ``hadamard``: a randomized Hadamard transform ``R = diag(s) H / sqrt(dim)`` with ``s`` random
-  signs and ``H`` the Sylvester Walsh-Hadamard matrix; ``dim`` must be a power of two.
+  signs (``hadamard_signs``) and ``H`` the Sylvester Walsh-Hadamard matrix; ``dim`` must be a power
+  of two. ``x @ R = fwht(x * s) / sqrt(dim)``: ``fwht`` applies ``H`` in ``dim log2(dim)`` adds
+  instead of a ``dim``-wide matrix product, in a fixed order, so every device gives the same bits.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["KINDS", "haar", "hadamard", "rotation_matrix"]
+__all__ = ["KINDS", "fwht", "haar", "hadamard", "hadamard_scale", "hadamard_signs", "rotation_matrix"]
 
 KINDS = ("haar", "hadamard")
 
@@ -40,16 +42,57 @@ def haar(dim: int, seed: int = 0) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
 
 
-def hadamard(dim: int, seed: int = 0) -> torch.Tensor:
-    """Randomized Hadamard ``[dim, dim]`` float64 matrix (CPU); ``dim`` a power of two."""
+def _check_power_of_two(dim) -> None:
     _check_dim(dim)
     if dim & (dim - 1):
         raise ValueError(f"dim must be a power of two for the Hadamard rotation, got {dim}")
+
+
+def hadamard_signs(dim: int, seed: int = 0) -> torch.Tensor:
+    """The random signs ``s`` (``+-1``, float64 ``[dim]``, CPU) of ``hadamard(dim, seed)``."""
+    _check_power_of_two(dim)
+    signs = torch.randint(0, 2, (dim,), generator=_generator(seed), dtype=torch.int64) * 2 - 1
+    return signs.to(torch.float64)
+
+
+def hadamard_scale(dim: int) -> float:
+    """``1 / sqrt(dim)`` rounded to float32 (returned as the Python float of that float32)."""
+    _check_power_of_two(dim)
+    return float(torch.tensor(dim**-0.5, dtype=torch.float64).to(torch.float32))
+
+
+def hadamard(dim: int, seed: int = 0) -> torch.Tensor:
+    """Randomized Hadamard ``[dim, dim]`` float64 matrix (CPU); ``dim`` a power of two."""
+    _check_power_of_two(dim)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (dim,), generator=_generator(seed), dtype=torch.int64) * 2 - 1
-    return signs.to(torch.float64).unsqueeze(1) * h / dim**0.5
+    return hadamard_signs(dim, seed).unsqueeze(1) * h / dim**0.5
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised fast Walsh-Hadamard transform along the last dim, in float32: ``x @ H``.
+
+    ``H`` is the Sylvester matrix (``H[j, k] = (-1)**popcount(j & k)``); the last dim must be a
+    power of two. The butterflies run in a fixed order: for ``h = 1, 2, 4, ..., n / 2``, the pair
+    ``(j, j + h)`` of each block of ``2 h`` elements becomes ``(a + b, a - b)``. Each output is thus
+    the same sequence of float32 additions on every device (what the fused Triton store
+    reproduces bit for bit).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    n = x.shape[-1] if x.dim() else 0
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"x's last dimension must be a power of two, got shape {tuple(x.shape)}")
+    y = x.float()
+    lead = y.shape[:-1]
+    h = 1
+    while h < n:
+        y = y.reshape(*lead, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2)
+        h *= 2
+    return y.reshape(*lead, n)
 
 
 def rotation_matrix(kind: str, dim: int, seed: int = 0, *, device=None, dtype=torch.float32) -> torch.Tensor:

@@ -1,8 +1,13 @@
 """Triton MSE kernels (kvlab.mse) against the pure-torch reference (kvlab.reference).
 
 ``store_mse`` must produce the reference's cache bytes exactly (the whole cache is compared, so
-untouched and skipped slots are checked too); ``load_mse`` must match ``MSECodec.decode`` to fp16
-precision (exactly where no summation is involved).
+untouched and skipped slots are checked too), for Haar codecs (torch GEMM, then the kernel) and for
+Hadamard codecs (rotation fused into the kernel: the same butterflies as ``kvlab.rotation.fwht``);
+``load_mse`` must match ``MSECodec.decode`` to fp16 precision (exactly where no summation is
+involved).
+
+Under ``TRITON_INTERPRET`` a store program costs ~0.1 s whatever its size, so the store tests use
+large tiles (``STORE_ROWS``); the tunables test covers small ones.
 """
 
 import functools
@@ -12,8 +17,10 @@ import torch
 
 import kvlab
 from kvlab.mse import load_mse, store_mse, unpack_values_model_space, unpack_values_rotated
+from kvlab.rotation import fwht, hadamard, hadamard_signs
 
 SENTINEL = 0xAB
+STORE_ROWS = 512  # block_rows of the store tests (few programs under the interpreter)
 
 # tokens, heads, dim, key_bits, value_bits, rotation, input dtype, block_size
 CASES = [
@@ -28,6 +35,17 @@ CASES = [
     (37, 3, 75, 3, 4, "haar", torch.float32, 16),  # odd dim: the last byte is partly padding
 ]
 IDS = [f"t{c[0]}-h{c[1]}-d{c[2]}-k{c[3]}v{c[4]}-{c[5]}-{str(c[6])[6:]}" for c in CASES]
+
+# The fused Hadamard store: every (key bits, value bits) for dims 64, 128 and 256 (one input dtype
+# per dim, so that a GPU run compiles few kernels), then the other dtypes at dim 128; odd token
+# counts throughout.
+HADAMARD_CASES = [
+    (tokens, heads, dim, kb, vb, "hadamard", dtype, 16)
+    for dim, tokens, heads, dtype in [(64, 61, 2, torch.float32), (128, 37, 3, torch.float16), (256, 19, 2, torch.bfloat16)]
+    for kb in (2, 3, 4)
+    for vb in (2, 3, 4)
+] + [(45, 2, 128, 4, 2, "hadamard", torch.bfloat16, 16), (23, 3, 128, 3, 4, "hadamard", torch.float32, 16)]
+HADAMARD_IDS = [f"t{c[0]}-h{c[1]}-d{c[2]}-k{c[3]}v{c[4]}-{str(c[6])[6:]}" for c in HADAMARD_CASES]
 
 
 def rel_err(a, b):
@@ -69,7 +87,87 @@ def make_batch(case, device, seed=0, norm_correction=True):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_store_matches_reference_bytes(case, device):
     key, value, slots, cache, ref, kc, vc, _ = make_batch(case, device)
-    store_mse(key, value, slots, cache, kc, vc, block_rows=64)
+    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("case", HADAMARD_CASES, ids=HADAMARD_IDS)
+def test_fused_hadamard_store_matches_reference_bytes(case, device):
+    key, value, slots, cache, ref, kc, vc, _ = make_batch(case, device)
+    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_fwht_is_the_sylvester_product_and_the_codec_rotation(dim):
+    """fwht(x) == x @ H exactly (small integers); the codec's fused rotation is x @ R."""
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randint(-64, 64, (5, dim), generator=g).float()
+    h = hadamard(dim, seed=0) / hadamard_signs(dim, seed=0).unsqueeze(1) * dim**0.5  # Sylvester H
+    assert torch.equal(fwht(x).double(), x.double() @ h)
+    codec = kvlab.MSECodec(dim, 3, rotation="hadamard", seed=5)
+    assert torch.equal(codec.hadamard_signs.double(), hadamard_signs(dim, seed=5))
+    assert codec.hadamard_scale == float(torch.tensor(dim**-0.5).float())
+    x = torch.randn(7, dim, generator=g)
+    torch.testing.assert_close(codec.rotate(x).double(), x.double() @ codec.rotation.double(), rtol=0, atol=1e-5)
+
+
+def _identity_codec(dim, bits):
+    """A reference codec whose rotation is the identity: the store then quantizes ``x`` itself."""
+    codec = kvlab.MSECodec(dim, bits, rotation="haar")
+    codec.rotation = torch.eye(dim)
+    return codec
+
+
+def _adversarial_rows(codec, dim, rows=24, seed=0):
+    """Rows whose coordinates sit on and around the rounding edges of ``y / norm`` at each boundary.
+
+    Each row has a large anchor coordinate that fixes its norm, then probes ``y`` close to
+    ``boundary * norm`` (within a few float32 steps), zeros, signed zeros and subnormals (which give
+    exact ties at the zero boundary: ``2**-149 / 2`` rounds to 0).
+    """
+    g = torch.Generator().manual_seed(seed)
+    b = codec.boundaries.double()
+    out = torch.zeros(rows, dim)
+    for r in range(rows):
+        anchor = float(2.0 ** torch.randint(-8, 9, (1,), generator=g).item() * (1 + torch.rand(1, generator=g).item()))
+        y = torch.zeros(dim)
+        y[0] = anchor
+        probes = []
+        for _ in range(3):  # the norm depends on the probes: settle it
+            y64 = y.double()
+            n = float(y64.square().sum().sqrt().float())
+            probes = []
+            for i, k in enumerate(torch.randint(-3, 4, (dim - 1,), generator=g).tolist()):
+                t = torch.tensor(float(b[i % len(b)]) * n, dtype=torch.float32)
+                for _ in range(abs(k)):
+                    t = torch.nextafter(t, torch.tensor(float("inf") if k > 0 else float("-inf")))
+                probes.append(float(t))
+            y[1:] = torch.tensor(probes, dtype=torch.float32)
+        if r % 4 == 1:  # zeros of both signs, subnormals next to a norm of 2 (ties at the zero boundary)
+            y[:] = 0.0
+            y[0] = 2.0
+            y[1:6] = torch.tensor([2**-149, -(2**-149), 3 * 2**-149, -0.0, 2**-148])
+        if r % 4 == 2:
+            y[:] = 0.0  # a zero vector
+        out[r] = y
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_store_exact_at_rounding_edges(bits, device):
+    """Coordinates on the edges of fl(y / norm) > boundary: the division-free compare agrees."""
+    dim, heads = 32, 2
+    kc, vc = _identity_codec(dim, bits), _identity_codec(dim, 6 - bits if bits != 3 else 3)
+    layout = kvlab.MSESlot(dim, kc.bits, vc.bits)
+    key = _adversarial_rows(kc, dim, seed=bits).view(-1, heads, dim)
+    value = _adversarial_rows(vc, dim, seed=10 + bits).view(-1, heads, dim)
+    slots = torch.arange(key.shape[0])
+    cache = torch.full((key.shape[0], 1, heads, layout.slot_bytes), SENTINEL, dtype=torch.uint8)
+    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
+    ref = cache.clone()
+    kvlab.write_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
+    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
     assert torch.equal(cache, ref)
 
 
@@ -117,13 +215,51 @@ def test_roundtrip_store_then_load(device):
     assert rel < 0.15
 
 
-@pytest.mark.parametrize("block_rows, num_warps", [(1, 1), (4, 2), (32, 4), (256, 8)])
+def test_store_ties_round_half_to_even(device):
+    """y / norm exactly halfway between a boundary and the next float32 (only reachable with tiny
+    values): it rounds to the even neighbour, up past some boundaries and down onto others."""
+    s = 2.0**-149
+    dim, heads = 16, 1
+    kc = _identity_codec(dim, 2)
+    kc.boundaries = torch.tensor([-3 * s, 0.0, 5 * s])  # halfway points round up, down, up
+    vc = _identity_codec(dim, 2)
+    layout = kvlab.MSESlot(dim, 2, 2)
+    rows = torch.zeros(4, dim)
+    rows[:, 0] = 2.0  # norm 2: y / norm = y / 2 is exactly representable halfway between floats
+    for r, center in enumerate([-5, 1, 11, 0]):
+        rows[r, 1:8] = torch.tensor([(center + k) * s for k in (-3, -2, -1, 0, 1, 2, 3)])
+    key = rows.view(-1, heads, dim)
+    slots = torch.arange(key.shape[0])
+    cache = torch.full((key.shape[0], 1, heads, layout.slot_bytes), SENTINEL, dtype=torch.uint8)
+    key, slots, cache = (t.to(device) for t in (key, slots, cache))
+    ref = cache.clone()
+    kvlab.write_slots(ref, slots, kc.encode(key), vc.encode(key), layout)
+    store_mse(key, key, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("block_rows, num_warps", [(4, 1), (16, 2), (128, 4), (256, 8)])
 def test_tunables_do_not_change_results(block_rows, num_warps, device):
     key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[6], device)
     store_mse(key, value, slots, cache, kc, vc, block_rows=block_rows, num_warps=num_warps)
     assert torch.equal(cache, ref)
     out = load_mse(cache, slots, vc, part="value", block_rows=block_rows, num_warps=num_warps)
     assert torch.equal(out, load_mse(cache, slots, vc, part="value"))
+
+
+@pytest.mark.parametrize("shift", [1, 2, 3])
+def test_cache_at_odd_addresses(shift, device):
+    """A cache that starts 1, 2 or 3 bytes past an aligned address: narrower loads and stores."""
+    tokens, heads, dim, kb, vb, rotation, dtype, block_size = case = CASES[1]
+    key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
+    flat = torch.full((ref.numel() + 16,), SENTINEL, dtype=torch.uint8, device=device)
+    cache = flat[shift : shift + ref.numel()].view(ref.shape)
+    assert cache.data_ptr() % 4 == shift % 4
+    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    assert torch.equal(cache, ref)
+    assert bool((flat[:shift] == SENTINEL).all()) and bool((flat[shift + ref.numel() :] == SENTINEL).all())
+    for part, codec in (("key", kc), ("value", vc)):
+        assert torch.equal(load_mse(cache, slots, codec, part=part), load_mse(ref, slots, codec, part=part))
 
 
 def test_int32_slot_mapping(device):
