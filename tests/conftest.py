@@ -36,3 +36,12 @@ def poisoned_empty(monkeypatch):
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, for tests of many small tensors (a thread pool only adds overhead there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

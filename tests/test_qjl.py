@@ -9,13 +9,7 @@ import kvlab
 from kvlab.qjl import QJLCodec, pack_signs, unpack_signs
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tensors here are small: one intra-op thread is faster than a pool (much faster on a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("m", [1, 8, 37, 128])
