@@ -4,8 +4,8 @@ What
     ``store_mse`` encodes keys and values of a batch and writes their codes into the cache slots of
     ``slot_mapping``: rotate, take the norm (fp64 accumulation, rounded to fp32), count the
     Lloyd-Max boundaries strictly below each normalised coordinate (``torch.bucketize``), pack the
-    indices, append the fp16 norm. One launch, grid ``(row tiles, 2)``: axis 1 is the key or the
-    value part. The rotation depends on the codec:
+    indices, append the fp16 norm. One launch for the keys, one for the values. The rotation
+    depends on the codec:
 
     * Hadamard codecs (``codec.hadamard_signs`` set): FUSED. The kernel reads the fp16/bf16/fp32
       input rows and computes ``fwht(x * signs) * scale`` itself, with the reference's butterflies
@@ -15,7 +15,10 @@ What
 
     No division: ``fl(y / norm) > b`` is decided as ``y > t`` with a per-row float32 threshold ``t``
     derived exactly from ``norm`` and ``b`` (``_thresholds``), and a binary search over the
-    thresholds gives the index. Bytes equal the reference's exactly (``torch.equal``).
+    thresholds gives the index. Bytes equal the reference's exactly (``torch.equal``). The store
+    kernel is compiled without FMA contraction (``enable_fp_fusion=False``): ``y = z * scale``
+    must be rounded before it is compared; the only fused multiply-adds left are explicit fp64
+    ones on exact squares (the norm), which round like a multiply and an add.
 
     ``load_mse`` reads the key or the value part of the slots back: unpack the indices, gather the
     centroids (a table of at most 16 floats, one cache line), optionally renormalise the centroid
@@ -24,14 +27,18 @@ What
     rotated space consumes); ``space="model"`` follows it with one batched GEMM by ``R.T``.
 
 Tiling
-    Store: one row per thread (``block_rows = 32 * num_warps`` by default). A row is loaded as
-    16-byte chunks of 8 columns, so a thread holds its row in registers: the butterflies, the norm
-    and the 2**bits - 1 thresholds of the row cost no data movement. The packed code goes out as
-    4-byte words through a coalesced store (a head and a tail of at most 3 bytes per row when the
-    code is not 4-byte aligned; bytes when the cache's strides are not multiples of 4).
+    Store: one row per thread (``block_rows = 32 * num_warps`` by default); rows longer than 128
+    columns are cut into 128-column pieces on neighbouring lanes (dim 256: two threads per row,
+    ``block_rows = 16 * num_warps``), whose last butterfly stages pair the pieces through two-term
+    sums across lanes. A row is loaded as 16-byte chunks of 8 columns, so a thread holds its piece
+    in registers: the butterflies, the norm and the 2**bits - 1 thresholds of the row cost no data
+    movement. The packed code goes out as 4-byte words through a coalesced store (a head and a tail
+    of at most 3 bytes per row when the code is not 4-byte aligned; bytes when the cache's strides
+    are not multiples of 4).
 
     Load: a thread decodes groups of 8 elements (``bits`` bytes in, 16 bytes of fp16 out, one
-    vector store), loading the group's bytes 4, 2 or 1 at a time as the cache's alignment allows.
+    vector store), loading the group's bytes 4, 2 or 1 at a time as the cache's alignment allows;
+    consecutive groups of a row sit on consecutive lanes, so loads and stores are coalesced.
 
     Eight ``bits``-wide indices make exactly ``bits`` bytes (a "group"): packing sums the eight
     shifted indices of a group into one word, unpacking shifts them back out.
@@ -73,6 +80,7 @@ __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_
 
 MSE_BITS = (2, 3, 4)
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
+STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
 LOAD_TILE_ELEMENTS = 8192  # default BLOCK_ROWS * BLOCK_D of a load program (64 rows of 128)
 
 # error flags raised by the store kernel when CHECK is on
@@ -87,8 +95,8 @@ FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW, FLAG_VALUE_NONFINITE, FLAG_VALUE_OVERFLOW
 
 
 @triton.jit
-def _join_columns(us, BR: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
-    """Tuple of ``N`` ``[BR, W]`` tensors -> ``[BR, N W]`` (item ``u`` in columns ``u W .. u W + W - 1``).
+def _join_columns(us, H: tl.constexpr, BR: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
+    """Tuple of ``N`` ``[H, BR, W]`` tensors -> ``[H, BR, N W]`` (item ``u`` in columns ``u W .. u W + W - 1``).
 
     Pairwise joins: the new dimension of a join is held by the thread that holds its operands.
     """
@@ -96,35 +104,53 @@ def _join_columns(us, BR: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
     for level in tl.static_range(N.bit_length() - 1):  # pieces of W << level columns
         ys = ()
         for i in tl.static_range(N >> (level + 1)):
-            ys = ys + (tl.reshape(tl.permute(tl.join(xs[2 * i], xs[2 * i + 1]), (0, 2, 1)), [BR, 2 * W << level]),)
+            ys = ys + (tl.reshape(tl.permute(tl.join(xs[2 * i], xs[2 * i + 1]), (0, 1, 3, 2)), [H, BR, 2 * W << level]),)
         xs = ys
     return xs[0]
 
 
 @triton.jit
-def _split_columns(x, BR: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
-    """Inverse of ``_join_columns``: ``[BR, N W]`` -> tuple of ``N`` ``[BR, W]`` (top bit first)."""
+def _split_columns(x, H: tl.constexpr, BR: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
+    """Inverse of ``_join_columns``: ``[H, BR, N W]`` -> tuple of ``N`` ``[H, BR, W]`` (top bit first)."""
     xs = (x,)
     for level in tl.static_range(N.bit_length() - 1):  # pieces of N W >> level columns
         ys = ()
         for i in tl.static_range(1 << level):
-            lo, hi = tl.split(tl.permute(tl.reshape(xs[i], [BR, 2, N * W // 2 >> level]), (0, 2, 1)))
+            lo, hi = tl.split(tl.permute(tl.reshape(xs[i], [H, BR, 2, N * W // 2 >> level]), (0, 1, 3, 2)))
             ys = ys + (lo, hi)
         xs = ys
     return xs
 
 
 @triton.jit
-def _fwht(x, BR: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-    """``kvlab.rotation.fwht`` of the rows of ``x [BR, N]``: the same butterflies in the same order.
+def _fwht(x, H: tl.constexpr, BR: tl.constexpr, N: tl.constexpr, STAGES: tl.constexpr):
+    """The first ``STAGES`` butterfly stages of ``kvlab.rotation.fwht`` on the rows of ``x [H, BR, N]``.
 
     Stage ``h``: view the row as ``[N / 2h, 2, h]``, split the middle axis into the pair
-    ``(a, b)`` and join ``(a + b, a - b)`` back in its place. Register-to-register when a thread
-    holds whole rows.
+    ``(a, b)`` and join ``(a + b, a - b)`` back in its place. Register-to-register: a thread holds
+    the ``N`` columns.
     """
-    for s in tl.static_range(LOG_N):  # h = 1 << s
-        a, b = tl.split(tl.permute(tl.reshape(x, [BR, N >> (s + 1), 2, 1 << s]), (0, 1, 3, 2)))
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [BR, N])
+    for s in tl.static_range(STAGES):  # h = 1 << s
+        a, b = tl.split(tl.permute(tl.reshape(x, [H, BR, N >> (s + 1), 2, 1 << s]), (0, 1, 2, 4, 3)))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), [H, BR, N])
+    return x
+
+
+@triton.jit
+def _fwht_across(x, H: tl.constexpr, BR: tl.constexpr, N: tl.constexpr, STAGES: tl.constexpr):
+    """The butterfly stages that pair the ``H`` pieces of a row (``x [H, BR, N]``, piece ``q`` is
+    columns ``q N .. q N + N - 1``, one thread each): stage ``s`` pairs pieces ``q`` and ``q + s``.
+
+    ``a + b`` is the sum over the pair axis and ``a - b`` the sum of ``(a, -b)``: two-term sums,
+    so bit-identical to the butterfly (negation is exact, addition commutes).
+    """
+    for i in tl.static_range(STAGES):  # pieces 2**i apart
+        x5 = tl.reshape(x, [H >> (i + 1), 2, 1 << i, BR, N])
+        sign = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, :, None, None, None]
+        a_plus_b = tl.sum(x5, axis=1)
+        a_minus_b = tl.sum(x5 * sign, axis=1)
+        second = (tl.arange(0, 2) == 1)[None, :, None, None, None]
+        x = tl.reshape(tl.where(second, a_minus_b[:, None, :, :, :], a_plus_b[:, None, :, :, :]), [H, BR, N])
     return x
 
 
@@ -149,7 +175,7 @@ def _thresholds(n, mid_ptr, tie_ptr, NUM_BOUNDARIES: tl.constexpr):
         b = t.to(tl.int32, bitcast=True)
         key = tl.where(b >= 0, b, -(b & 0x7FFFFFFF)) - 1
         below = tl.where(key >= 0, key, (-key) | -2147483648).to(tl.float32, bitcast=True)
-        ts = ts + (tl.where(down, below, t)[:, None],)
+        ts = ts + (tl.where(down, below, t)[None, :, None],)  # [1, BR, 1]
     return ts
 
 
@@ -227,6 +253,7 @@ def _encode_rows(
     D: tl.constexpr,
     C: tl.constexpr,  # chunks of 8 columns (a power of two, 8 C >= D)
     LOG_D: tl.constexpr,  # HADAMARD: log2(D), the number of butterfly stages
+    PIECES: tl.constexpr,  # threads per row: 8 C / 128, at least 1
     BLOCK_ROWS: tl.constexpr,
     BITS: tl.constexpr,
     INDEX_BYTES: tl.constexpr,
@@ -235,49 +262,67 @@ def _encode_rows(
     CHECK: tl.constexpr,
 ):
     BR: tl.constexpr = BLOCK_ROWS
+    H: tl.constexpr = PIECES
+    NP: tl.constexpr = 8 * C // PIECES  # columns per piece (at most 128: registers)
+    CP: tl.constexpr = NP // 8  # chunks of 8 columns per piece
     o_k = tl.arange(0, 8)
-    # The rows, as C chunks of 8 columns, each one [BR, 16 bytes] load: a thread per row, so the
-    # butterflies, the norm and the thresholds stay in registers. The signs are loaded in the same
-    # shape (one broadcast 16-byte load per chunk) so that they share that layout.
+    o_q = tl.arange(0, H)  # piece of the row: columns q NP .. q NP + NP - 1, one thread each
+    # The rows, as chunks of 8 columns per piece, each one [H, BR, 16 bytes] load: a thread holds
+    # its piece of a row (all of it when H == 1), so the butterflies, the norm and the thresholds
+    # stay in registers. The signs are loaded in the same shape (one broadcast 16-byte load per
+    # chunk) so that they share that layout; the piece axis leads, so that the pieces of a row are
+    # on neighbouring lanes.
     W: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth  # columns per 16 bytes
     o_w = tl.arange(0, W)
-    o_zero = (o_r * 0)[:, None]  # [BR, 1] zeros: broadcast loads of the signs
+    o_zero = (o_r * 0)[None, :, None]  # [1, BR, 1] zeros: broadcast loads of the signs
     chunks = ()
-    for c in tl.static_range(C):
+    for c in tl.static_range(CP):
         parts = ()
-        for q in tl.static_range(8 // W):
-            o_d = c * 8 + q * W + o_w
-            b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m_r[:, None] & (o_d < D)[None, :], other=0.0)
+        for p in tl.static_range(8 // W):
+            o_d = (o_q * NP)[:, None] + (c * 8 + p * W + o_w)[None, :]  # [H, W] columns
+            m_d = (o_d < D)[:, None, :]
+            b_x = tl.load(x_ptr + o_r[None, :, None] * stride_x + o_d[:, None, :], mask=m_r[None, :, None] & m_d, other=0.0)
             if HADAMARD:
                 # x * signs: flip the sign bits (exact, like the multiplication by +-1)
-                b_s = tl.load(sign_ptr + o_zero + o_d[None, :], mask=(o_d < D)[None, :], other=0)
+                b_s = tl.load(sign_ptr + o_zero + o_d[:, None, :], mask=m_d, other=0)
                 b_x = (b_x.to(b_s.dtype, bitcast=True) ^ b_s).to(b_x.dtype, bitcast=True)
             parts = parts + (b_x.to(tl.float32),)
-        chunks = chunks + (_join_columns(parts, BR, 8 // W, W),)
-    b_y = _join_columns(chunks, BR, C, 8)  # [BR, 8 C] fp32, a thread per row
+        chunks = chunks + (_join_columns(parts, H, BR, 8 // W, W),)
+    b_y = _join_columns(chunks, H, BR, CP, 8)  # [H, BR, NP] fp32
     if HADAMARD:
-        b_y = _fwht(b_y, BR, 8 * C, LOG_D) * scale  # stages h < D: padding columns stay zero
+        # stages h < D only: padding columns stay zero
+        b_y = _fwht(b_y, H, BR, NP, LOG_D if LOG_D < NP.bit_length() - 1 else NP.bit_length() - 1)
+        if LOG_D > NP.bit_length() - 1:
+            b_y = _fwht_across(b_y, H, BR, NP, LOG_D - (NP.bit_length() - 1))
+        b_y = b_y * scale
 
-    ys = _split_columns(b_y, BR, C, 8)  # C x [BR, 8]: quantized chunk by chunk (registers)
+    ys = _split_columns(b_y, H, BR, CP, 8)  # CP x [H, BR, 8]: quantized chunk by chunk (registers)
 
     # norm as in the reference: fp64 sum of squares (each square exact, so a fused multiply-add
     # rounds like the multiply then the add), sqrt in fp64 (tl.sqrt lowers to the IEEE sqrt for
     # fp64), rounded once to fp32
-    b_sq = tl.zeros([BR, 8], dtype=tl.float64)
-    for c in tl.static_range(C):
+    b_sq = tl.zeros([H, BR, 8], dtype=tl.float64)
+    for c in tl.static_range(CP):
         b_y64 = ys[c].to(tl.float64)
         b_sq = tl.fma(b_y64, b_y64, b_sq)
-    b_norm = tl.sqrt(tl.sum(b_sq, axis=1)).to(tl.float32)  # [BR]
+    b_norm = tl.sqrt(tl.sum(tl.sum(b_sq, axis=2), axis=0)).to(tl.float32)  # [BR]
 
     # index = number of boundaries strictly below y / norm (torch.bucketize), without dividing;
-    # then pack: index k of chunk (group) c sits at bit BITS * k of the group's word (BITS bytes)
-    ts = _thresholds(b_norm, mid_ptr, tie_ptr, (1 << BITS) - 1)
-    ws = ()
-    for c in tl.static_range(C):
-        b_idx = _bucketize(ys[c], ts, BITS)  # [BR, 8] uint32
+    # then pack: index k of a chunk (group) sits at bit BITS * k of the group's word (BITS bytes)
+    ts = _thresholds(b_norm, mid_ptr, tie_ptr, (1 << BITS) - 1)  # [1, BR, 1] each
+    piece_words = ()
+    for c in tl.static_range(CP):
+        b_idx = _bucketize(ys[c], ts, BITS)  # [H, BR, 8] uint32
         if 8 * C != D:
-            b_idx = tl.where((c * 8 + o_k < D)[None, :], b_idx, 0)  # padding elements pack as zero bits
-        ws = ws + (tl.sum(b_idx << (o_k * BITS).to(tl.uint32)[None, :], axis=1),)  # [BR] uint32
+            b_idx = tl.where(((o_q * NP)[:, None] + c * 8 + o_k[None, :] < D)[:, None, :], b_idx, 0)  # padding: zero bits
+        piece_words = piece_words + (tl.sum(b_idx << (o_k * BITS).to(tl.uint32)[None, None, :], axis=2),)  # [H, BR]
+    ws = ()  # the C group words of each row, in order (every piece's thread gets all of them)
+    for q in tl.static_range(H):
+        for c in tl.static_range(CP):
+            if H == 1:
+                ws = ws + (tl.reshape(piece_words[c], [BR]),)
+            else:
+                ws = ws + (tl.sum(tl.where((o_q == q)[:, None], piece_words[c], 0), axis=0),)
 
     # store the code (indices, then the fp16 norm): 4-byte words, coalesced, between a head and a
     # tail of at most 3 bytes each, stored per row
@@ -289,8 +334,8 @@ def _encode_rows(
         BLOCK_W: tl.constexpr = triton.next_power_of_2(NUM_WORDS)
         us = ()
         for i in tl.static_range(BLOCK_W):
-            us = us + (_code_bits(ws, b_n16, 8 * BITS, INDEX_BYTES, 8 * (HEAD + 4 * min(i, NUM_WORDS - 1)), 32)[:, None],)
-        b_w = tl.reshape(_join_columns(us, BR, BLOCK_W, 1), [BR, BLOCK_W])  # [BR, BLOCK_W]: words (the padding repeats the last)
+            us = us + (_code_bits(ws, b_n16, 8 * BITS, INDEX_BYTES, 8 * (HEAD + 4 * min(i, NUM_WORDS - 1)), 32)[None, :, None],)
+        b_w = tl.reshape(_join_columns(us, 1, BR, BLOCK_W, 1), [BR, BLOCK_W])  # [BR, BLOCK_W]: words (the padding repeats the last)
         o_u = tl.arange(0, BLOCK_W)
         p_w = (cache_ptr + o_dst + HEAD).to(tl.pointer_type(tl.uint32))
         tl.store(p_w[:, None] + o_u[None, :], b_w, mask=m_r[:, None] & (o_u < NUM_WORDS)[None, :])
@@ -304,8 +349,8 @@ def _encode_rows(
         BLOCK_B: tl.constexpr = triton.next_power_of_2(CODE_BYTES)
         us = ()
         for j in tl.static_range(BLOCK_B):
-            us = us + (_code_bits(ws, b_n16, 8 * BITS, INDEX_BYTES, 8 * min(j, CODE_BYTES - 1), 8)[:, None],)
-        b_b = tl.reshape(_join_columns(us, BR, BLOCK_B, 1), [BR, BLOCK_B])  # [BR, BLOCK_B]
+            us = us + (_code_bits(ws, b_n16, 8 * BITS, INDEX_BYTES, 8 * min(j, CODE_BYTES - 1), 8)[None, :, None],)
+        b_b = tl.reshape(_join_columns(us, 1, BR, BLOCK_B, 1), [BR, BLOCK_B])  # [BR, BLOCK_B]
         o_u = tl.arange(0, BLOCK_B)
         tl.store(cache_ptr + o_dst[:, None] + o_u[None, :], b_b.to(tl.uint8), mask=m_r[:, None] & (o_u < CODE_BYTES)[None, :])
 
@@ -342,6 +387,7 @@ def _store_mse_kernel(
     D: tl.constexpr,
     C: tl.constexpr,  # chunks of 8 columns (a power of two, 8 C >= D)
     LOG_D: tl.constexpr,
+    PIECES: tl.constexpr,
     NUM_HEADS: tl.constexpr,  # compile-time: the row -> (token, head) and slot -> (block, offset)
     BLOCK_SIZE: tl.constexpr,  # divisions become multiplications
     BLOCK_ROWS: tl.constexpr,
@@ -361,7 +407,7 @@ def _store_mse_kernel(
     o_dst = (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + offset
     _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, cache_ptr, status_ptr,
                  o_r, m_w, o_dst, stride_x, scale, flag_nonfinite, flag_overflow,
-                 D, C, LOG_D, BLOCK_ROWS, BITS, INDEX_BYTES, HEAD, HADAMARD, CHECK)
+                 D, C, LOG_D, PIECES, BLOCK_ROWS, BITS, INDEX_BYTES, HEAD, HADAMARD, CHECK)
 
 
 @triton.jit
@@ -638,9 +684,10 @@ def store_mse(
 
     Hadamard codecs (``codec.hadamard_signs`` set) are rotated inside the kernel, from the input
     rows; Haar codecs by a float32 torch GEMM first (see the module docstring). ``num_warps`` and
-    ``block_rows`` (a power of two) tune the launch; the kernel holds one row per thread, so
-    ``block_rows = 32 * num_warps`` (the default) is the natural tile: fewer rows leave threads
-    computing copies, more rows put several rows in a thread's registers.
+    ``block_rows`` (a power of two) tune the launch; a thread holds a row of up to 128 columns
+    (longer rows: 128-column pieces, one thread each), so ``block_rows = 32 * num_warps / pieces``
+    (the default) is the natural tile: fewer rows leave threads computing copies, more rows put
+    several rows in a thread's registers (spills).
     """
     _check_codec("key_codec", key_codec)
     _check_codec("value_codec", value_codec)
@@ -669,7 +716,8 @@ def store_mse(
     num_slots = num_blocks * block_size
     _check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, check)
     _check_tiling(32 if block_rows is None else block_rows, num_warps)
-    block_rows = 32 * num_warps if block_rows is None else block_rows  # default: one row per thread
+    pieces = max(1, _store_block_d(dim) // STORE_PIECE)  # threads per row
+    block_rows = 32 * num_warps // pieces if block_rows is None else block_rows  # default: a piece per thread
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return
@@ -705,6 +753,7 @@ def store_mse(
                 D=dim,
                 C=block_d // 8,
                 LOG_D=dim.bit_length() - 1,
+                PIECES=pieces,
                 NUM_HEADS=num_heads,
                 BLOCK_SIZE=block_size,
                 BLOCK_ROWS=block_rows,

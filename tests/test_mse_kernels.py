@@ -6,8 +6,10 @@ Hadamard codecs (rotation fused into the kernel: the same butterflies as ``kvlab
 ``load_mse`` must match ``MSECodec.decode`` to fp16 precision (exactly where no summation is
 involved).
 
-Under ``TRITON_INTERPRET`` a store program costs ~0.1 s whatever its size, so the store tests use
-large tiles (``STORE_ROWS``); the tunables test covers small ones.
+Under ``TRITON_INTERPRET`` a program costs about the same whatever its size, so there the tests use
+large tiles (``STORE_ROWS``, ``LOAD_ROWS``); on a GPU they use the default store tile (one row per
+thread: larger tiles put several rows in a thread's registers and compile slowly). The tunables test
+covers other tiles.
 """
 
 import functools
@@ -20,7 +22,8 @@ from kvlab.mse import load_mse, store_mse, unpack_values_model_space, unpack_val
 from kvlab.rotation import fwht, hadamard, hadamard_signs
 
 SENTINEL = 0xAB
-STORE_ROWS = 512  # block_rows of the store tests (few programs under the interpreter)
+STORE_ROWS = None if torch.cuda.is_available() else 512  # block_rows of the store tests
+LOAD_ROWS = 64 if torch.cuda.is_available() else 256  # and of the load tests
 
 # tokens, heads, dim, key_bits, value_bits, rotation, input dtype, block_size
 CASES = [
@@ -33,6 +36,7 @@ CASES = [
     (13, 2, 100, 4, 2, "haar", torch.bfloat16, 7),
     (301, 3, 64, 2, 3, "haar", torch.bfloat16, 32),
     (37, 3, 75, 3, 4, "haar", torch.float32, 16),  # odd dim: the last byte is partly padding
+    (21, 2, 200, 4, 3, "haar", torch.float16, 16),  # rows in two pieces, the second partly padding
 ]
 IDS = [f"t{c[0]}-h{c[1]}-d{c[2]}-k{c[3]}v{c[4]}-{c[5]}-{str(c[6])[6:]}" for c in CASES]
 
@@ -178,7 +182,7 @@ def test_load_matches_reference_decode(case, space, device):
     k_codes, v_codes = kvlab.read_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
-        out = load_mse(ref, slots, codec, part=part, space=space, block_rows=64)
+        out = load_mse(ref, slots, codec, part=part, space=space, block_rows=LOAD_ROWS)
         assert out.dtype == torch.float16 and out.shape == key.shape
         expected = torch.where(keep, codec.decode(codes, space), 0.0)
         assert not out.isnan().any()
@@ -195,7 +199,7 @@ def test_load_exact_without_norm_correction(case, device):
     for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
         expected = torch.where(keep, codec.decode(codes, "rotated"), 0.0)
         for out_dtype in (torch.float32, torch.float16, torch.bfloat16):
-            out = load_mse(ref, slots, codec, part=part, out_dtype=out_dtype, block_rows=128)
+            out = load_mse(ref, slots, codec, part=part, out_dtype=out_dtype, block_rows=LOAD_ROWS)
             assert torch.equal(out, expected.to(out_dtype))
 
 
