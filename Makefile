@@ -15,10 +15,11 @@ FULL_FLAG := $(if $(filter 1 yes true True,$(FULL)),--full)
 
 setup:
 	@test -x $(PY) || { echo "make: creating $(VENV)"; python3 -m venv $(VENV); }
-	if ! cmp -s requirements.txt $(STAMP); then
-		echo "make: installing requirements.txt into $(VENV)"
+	if ! cat requirements.txt requirements-nodeps.txt | cmp -s - $(STAMP); then
+		echo "make: installing requirements.txt and requirements-nodeps.txt into $(VENV)"
 		$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
-		cp requirements.txt $(STAMP)
+		$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+		cat requirements.txt requirements-nodeps.txt > $(STAMP)
 	fi
 	$(PY) scripts/fetch_mathjax.py
 

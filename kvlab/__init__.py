@@ -32,3 +32,20 @@ from . import metrics  # noqa: E402  codec error metrics and synthetic vectors
 from .qjl import QJLCodec  # noqa: E402  pure-torch inner-product codec: MSE code plus a 1-bit residual sketch
 
 __all__ += ["QJLCodec", "metrics"]
+
+# The transformers cache and the real model import transformers: loaded on first use (PEP 562).
+_LAZY = {
+    "KVCache": "cache", "KVFormat": "cache",
+    "corpus": "model", "load_model": "model", "perplexity": "model", "Perplexity": "model",
+}
+__all__ += [*_LAZY, "cache", "model"]
+
+
+def __getattr__(name):
+    import importlib
+
+    if name in ("cache", "model"):
+        return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'kvlab' has no attribute {name!r}")

@@ -93,6 +93,8 @@ def kernel_env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join((str(BIN), env.get("PATH", "")))
     env.setdefault("JUPYTER_PLATFORM_DIRS", "1")
     env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    # Busy-waiting OpenMP threads stall a 2-core machine between torch ops.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if "TRITON_INTERPRET" not in env:
         probe = subprocess.run(
             [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"],

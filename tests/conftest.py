@@ -8,8 +8,11 @@
 
 import os
 
-import pytest
-import torch
+# Busy-waiting OpenMP threads stall a 2-core machine between torch ops; set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

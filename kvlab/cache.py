@@ -1,0 +1,640 @@
+"""A ``transformers`` KV cache that stores keys and values in kvlab's compressed formats.
+
+What
+    ``KVCache`` is a ``transformers.Cache``: pass it as ``model(..., cache=cache)`` or
+    ``model.generate(..., cache=cache)``. After RoPE, every attention layer calls
+    ``cache.update(key_states, value_states, layer_idx)`` with ``[batch, kv_heads, tokens, head_dim]``
+    tensors. The cache encodes the new tokens with kvlab's codecs, keeps only their codes (uint8) plus
+    the documented 16-bit parts, and returns decoded keys and values for attention. Nothing is kept in
+    full precision besides those parts: the codes are the storage.
+
+    ``KVFormat`` says how one layer stores K and V:
+
+    * ``KVFormat("fp16")``: no quantization (the "16-bit" parts are in ``KVCache(dtype=...)``).
+    * ``KVFormat("affine", key_bits, value_bits, key_axis="token" | "channel", group_size=32)``:
+      ``kvlab.AffineCodec``. Values are quantized per token (groups of ``group_size`` channels);
+      keys per token too, or per channel (``key_axis="channel"``, KIVI): one scale and zero per channel
+      for each group of ``group_size`` tokens. ``key_bits`` / ``value_bits`` may be a list with one
+      bit width per KV head (mixed precision per head, ``kvlab.MixedAffineLayout``, token axis only).
+    * ``KVFormat("mse", key_bits, value_bits, rotation="haar" | "hadamard")``: ``kvlab.MSECodec``,
+      keys and values in one slot of the paged cache of ``kvlab.layout`` (``MSESlot``), written
+      through a ``slot_mapping`` over a block table per sequence.
+
+    ``KVCache`` options: one format for every layer or a list with one per layer; ``keep_first`` /
+    ``keep_last`` boundary layers left unquantized; a ``residual`` window of the most recent tokens
+    left unquantized (KIVI).
+
+Storage, per layer (``B`` sequences, ``H`` KV heads, head dimension ``D``)
+    * token-axis affine: uint8 ``[B, H, tokens, code_bytes]`` (``pack_affine``);
+    * channel-axis affine keys: uint8 ``[B, H, tokens / group_size, code_bytes]``; the tokens of the
+      group that is not yet full stay unquantized until it fills (KIVI);
+    * mixed bits per head: uint8 ``[B, tokens, bytes_per_token]`` (``pack_affine_mixed``);
+    * MSE: the paged cache uint8 ``[num_blocks, block_size, H, slot_bytes]`` and a block table per
+      sequence;
+    * unquantized parts (``fp16`` layers, the residual window, an open key group) in ``dtype``
+      (``float16`` by default; ``None`` keeps the model's dtype, which makes the cache lossless).
+
+    ``nbytes()`` is exactly ``sum over layers and over K, V of quantized_tokens * B * H * D * bits / 8
+    + unquantized_tokens * B * H * D * dtype_size``, where ``bits`` is the format's
+    ``key_bits_per_element(D)`` / ``value_bits_per_element(D)`` (codes and their metadata). Slots of a
+    partly filled MSE block are counted by ``allocated_nbytes()`` only.
+
+When tokens are quantized
+    ``update`` first stores the new tokens: they join the unquantized tail, and the oldest tail tokens
+    are encoded until only ``residual`` remain (keys on the channel axis: only whole groups of
+    ``group_size`` tokens are encoded). It then returns what attention should see:
+
+    * ``prefill="exact"`` (default): the first call of a layer (the prompt) returns the new keys and
+      values as given, so a prompt is processed at full precision, as a serving engine's prefill does;
+      every later call returns all tokens as stored (decoded codes, unquantized parts cast back to the
+      model's dtype), the new tokens included: a decoding step attends to exactly what the cache holds.
+    * ``prefill="stored"``: every call returns the stored tokens, the prompt included.
+
+    For per-token formats (token-axis affine, mixed, MSE) without a residual window, a token's code
+    depends on that token only, so with ``prefill="stored"`` (and after the prompt with ``"exact"``) a
+    call of n tokens returns the same values as n single-token calls would. In a model another split
+    changes the float rounding of deeper layers' keys and values, which can flip a rounding decision of
+    a codec. With a residual window or channel-axis keys, a call of several tokens sees the unquantized
+    part as it stands after its own write.
+
+Backends
+    ``backend="triton"`` encodes and decodes with kvlab's Triton kernels (``pack_affine``,
+    ``pack_affine_mixed``, ``store_mse``, ``load_mse`` and their inverses); ``backend="reference"`` with
+    the pure-torch codecs of ``kvlab.reference``, which produce the same bytes (tested) and are much
+    faster than the Triton interpreter on a CPU; ``"auto"`` picks Triton for CUDA tensors and the
+    reference otherwise. Codes are byte-equal; decoded affine values are equal too, decoded MSE values
+    agree to 1e-6 relative (the load kernel applies the norm correction as one scale per vector,
+    the reference divides, then multiplies).
+
+Cost
+    Every call decodes the whole quantized part of the layer again (nothing decoded is kept): a call
+    costs O(tokens held), so generating n tokens costs O(n^2) decode work in total. Perplexity
+    evaluation feeds a window in a few calls (``kvlab.perplexity``), which keeps it linear.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import _checks as C
+from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .reference import AffineCodec, MSECodec, read_slots, write_slots
+from .rotation import KINDS as ROTATIONS
+
+__all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
+
+CODECS = ("fp16", "affine", "mse")
+AFFINE_BITS = (2, 3, 4, 8)
+MSE_BITS = (2, 3, 4)
+KEY_AXES = ("token", "channel")
+BACKENDS = ("auto", "triton", "reference")
+PREFILL = ("exact", "stored")
+STORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def _check_bits(name: str, bits, allowed, per_head: bool):
+    """An int in ``allowed``, or (``per_head``) a non-empty list/tuple of such ints -> int or tuple."""
+    if isinstance(bits, (list, tuple)):
+        if not per_head:
+            raise ValueError(f"{name} can be a list of bits per head only for codec='affine' on the token axis")
+        if not bits:
+            raise ValueError(f"{name} must not be an empty list")
+        for h, b in enumerate(bits):
+            C.check_int(f"{name}[{h}]", b, allowed)
+        return tuple(bits)
+    if bits is None:
+        raise TypeError(f"{name} must be an int (or a list of ints per head), got None")
+    return C.check_int(name, bits, allowed)
+
+
+@dataclass(frozen=True, init=False)
+class KVFormat:
+    """How one layer stores its keys and values (see the module docstring).
+
+    ``KVFormat("fp16")``; ``KVFormat("affine", 4)`` (k4v4, per-token, groups of 32 channels);
+    ``KVFormat("affine", 2, key_axis="channel")`` (KIVI); ``KVFormat("affine", [8, 4, 4], 4)`` (mixed
+    key bits per head); ``KVFormat("mse", 4, 3, rotation="hadamard")`` (k4v3).
+    """
+
+    codec: str
+    key_bits: int | tuple[int, ...]
+    value_bits: int | tuple[int, ...]
+    key_axis: str
+    group_size: int
+    rotation: str
+    seed: int
+
+    def __init__(self, codec: str = "fp16", key_bits=None, value_bits=None, *, key_axis: str = "token",
+                 group_size: int = 32, rotation: str = "haar", seed: int = 0):
+        C.check_choice("codec", codec, CODECS)
+        C.check_choice("key_axis", key_axis, KEY_AXES)
+        C.check_int("group_size", group_size, minimum=8)
+        if group_size % 8:
+            raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
+        C.check_choice("rotation", rotation, ROTATIONS)
+        C.check_int("seed", seed)
+        if codec == "fp16":
+            for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+                if bits not in (None, 16):
+                    raise ValueError(f"{name} must be None or 16 for codec='fp16', got {bits!r}")
+            key_bits = value_bits = 16
+            if key_axis != "token":
+                raise ValueError("key_axis='channel' needs codec='affine'")
+        else:
+            value_bits = key_bits if value_bits is None else value_bits
+            allowed = AFFINE_BITS if codec == "affine" else MSE_BITS
+            key_bits = _check_bits("key_bits", key_bits, allowed, codec == "affine" and key_axis == "token")
+            value_bits = _check_bits("value_bits", value_bits, allowed, codec == "affine")
+            if codec == "mse" and key_axis != "token":
+                raise ValueError("key_axis='channel' needs codec='affine'")
+        for name, value in (("codec", codec), ("key_bits", key_bits), ("value_bits", value_bits),
+                            ("key_axis", key_axis), ("group_size", group_size), ("rotation", rotation),
+                            ("seed", seed)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether keys or values have a bit width per head."""
+        return isinstance(self.key_bits, tuple) or isinstance(self.value_bits, tuple)
+
+    def check(self, num_heads: int, head_dim: int) -> None:
+        """Raise ValueError if this format cannot store ``num_heads`` heads of ``head_dim`` elements."""
+        for name, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
+            if isinstance(bits, tuple) and len(bits) != num_heads:
+                raise ValueError(f"{name} has {len(bits)} entries (bits per head) but the model has {num_heads} KV heads")
+        if self.codec == "affine":
+            # values are always grouped along channels (and keys too unless key_axis='channel')
+            if head_dim % self.group_size:
+                raise ValueError(f"group_size ({self.group_size}) must divide head_dim ({head_dim}) for codec='affine'")
+        if self.codec == "mse":
+            C.check_int("head_dim", head_dim, minimum=3)
+            if self.rotation == "hadamard" and head_dim & (head_dim - 1):
+                raise ValueError(f"rotation='hadamard' needs a power-of-two head_dim, got {head_dim}")
+
+    def _part_bits(self, bits, head_dim: int, channel: bool) -> float:
+        if self.codec == "fp16":
+            return 16.0
+        if self.codec == "mse":
+            return 8.0 * (packed_bytes(head_dim, bits) + NORM_BYTES) / head_dim
+        g = self.group_size
+        if channel:  # one code: g rows of packed indices, then a scale and a zero per channel
+            return 8.0 * (g * packed_bytes(head_dim, bits) + 4 * head_dim) / (g * head_dim)
+        per_head = bits if isinstance(bits, tuple) else (bits,)
+        code = [packed_bytes(head_dim, b) + 4 * (head_dim // g) for b in per_head]
+        return 8.0 * sum(code) / (len(code) * head_dim)
+
+    def key_bits_per_element(self, head_dim: int) -> float:
+        """Bits a quantized key element costs, metadata included."""
+        return self._part_bits(self.key_bits, head_dim, self.key_axis == "channel")
+
+    def value_bits_per_element(self, head_dim: int) -> float:
+        return self._part_bits(self.value_bits, head_dim, False)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Mean of key and value bits per element (they hold the same number of elements)."""
+        return 0.5 * (self.key_bits_per_element(head_dim) + self.value_bits_per_element(head_dim))
+
+    @property
+    def label(self) -> str:
+        """A short name, e.g. ``affine k4v4``, ``affine k2v2 channel-keys``, ``mse k4v3 hadamard``."""
+        if self.codec == "fp16":
+            return "fp16"
+
+        def b(bits):
+            return "[" + ",".join(map(str, bits)) + "]" if isinstance(bits, tuple) else str(bits)
+
+        text = f"{self.codec} k{b(self.key_bits)}v{b(self.value_bits)}"
+        if self.codec == "affine":
+            text += " channel-keys" if self.key_axis == "channel" else ""
+            text += f" g{self.group_size}" if self.group_size != 32 else ""
+        else:
+            text += f" {self.rotation}"
+        return text
+
+    def __repr__(self) -> str:
+        if self.codec == "fp16":
+            return "KVFormat('fp16')"
+        extra = f", key_axis={self.key_axis!r}" if self.key_axis != "token" else ""
+        if self.codec == "mse":
+            extra += f", rotation={self.rotation!r}" + (f", seed={self.seed}" if self.seed else "")
+        return f"KVFormat({self.codec!r}, {self.key_bits!r}, {self.value_bits!r}{extra}, group_size={self.group_size})"
+
+
+# ----------------------------------------------------------------------------- codec back ends
+
+
+@functools.lru_cache(maxsize=None)
+def _mse_codec(dim: int, bits: int, rotation: str, seed: int) -> MSECodec:
+    return MSECodec(dim, bits, rotation=rotation, seed=seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _affine_codec(bits: int, group_size: int, axis: str) -> AffineCodec:
+    return AffineCodec(bits, group_size, axis)
+
+
+def _triton():
+    """kvlab's Triton launchers, imported on first use."""
+    from . import affine, mse
+
+    return affine, mse
+
+
+class _AffineStream:
+    """Codes of one part (K or V) of one layer with the affine codec.
+
+    ``axis="token"``: uint8 ``[B, H, tokens, code_bytes]``; ``axis="channel"``: ``[B, H, tokens / g,
+    code_bytes]``; per-head bits: ``[B, tokens, bytes_per_token]``.
+    """
+
+    def __init__(self, bits, group_size: int, axis: str, num_heads: int, head_dim: int, backend: str):
+        self.bits, self.group_size, self.axis = bits, group_size, axis
+        self.num_heads, self.head_dim, self.backend = num_heads, head_dim, backend
+        self.unit = group_size if axis == "channel" else 1  # tokens per encode step
+        self.mixed = isinstance(bits, tuple)
+        if self.mixed:
+            self.heads = [_affine_codec(b, group_size, "token") for b in bits]
+            self.head_bytes = [c.nbytes(head_dim) for c in self.heads]
+            if backend == "triton":
+                affine, _ = _triton()
+                self.layout = affine.MixedAffineLayout(list(bits), head_dim, group_size)
+        else:
+            self.codec = _affine_codec(bits, group_size, axis)
+        self.codes: torch.Tensor | None = None
+        self.tokens = 0
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, H, n, D]`` -> codes (n a multiple of ``unit``)."""
+        if self.mixed:
+            x = x.transpose(1, 2)  # [B, n, H, D]
+            if self.backend == "triton":
+                return _triton()[0].pack_affine_mixed(x, self.layout)
+            return torch.cat([c.encode(x[:, :, h]) for h, c in enumerate(self.heads)], -1)
+        if self.backend == "triton":
+            return _triton()[0].pack_affine(x, self.bits, self.group_size, self.axis)
+        return self.codec.encode(x)
+
+    def write(self, x: torch.Tensor) -> None:
+        codes = self._encode(x)
+        axis = 1 if self.mixed else 2
+        self.codes = codes if self.codes is None else torch.cat([self.codes, codes], axis)
+        self.tokens += x.shape[2]
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Decoded ``[B, H, tokens, D]`` in ``dtype``, or None when nothing is stored."""
+        if self.codes is None:
+            return None
+        if self.mixed:
+            if self.backend == "triton":
+                x = _triton()[0].unpack_affine_mixed(self.codes, self.layout, out_dtype=dtype)
+            else:
+                parts = self.codes.split(self.head_bytes, -1)
+                x = torch.stack([c.decode(p, self.head_dim) for c, p in zip(self.heads, parts)], 2).to(dtype)
+            return x.transpose(1, 2)
+        if self.backend == "triton":
+            return _triton()[0].unpack_affine(self.codes, self.bits, self.group_size, self.axis, self.head_dim, out_dtype=dtype)
+        return self.codec.decode(self.codes, self.head_dim).to(dtype)
+
+    def nbytes(self) -> int:
+        return 0 if self.codes is None else self.codes.numel()
+
+
+class _MSEStore:
+    """Keys and values of one layer in the paged MSE cache ``[num_blocks, block_size, H, slot_bytes]``."""
+
+    def __init__(self, key_codec: MSECodec, value_codec: MSECodec, num_heads: int, block_size: int,
+                 batch: int, device, backend: str):
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self.layout = MSESlot(key_codec.dim, key_codec.bits, value_codec.bits)
+        self.num_heads, self.block_size, self.backend = num_heads, block_size, backend
+        self.cache = torch.zeros(0, block_size, num_heads, self.layout.slot_bytes, dtype=torch.uint8, device=device)
+        self.block_table: list[list[int]] = [[] for _ in range(batch)]
+        self.tokens = 0
+
+    def _slots(self, start: int, stop: int) -> torch.Tensor:
+        """slot_mapping of positions [start, stop) of every sequence, sequence-major: [B * (stop - start)]."""
+        pos = torch.arange(start, stop)
+        table = torch.tensor(self.block_table, dtype=torch.int64).reshape(len(self.block_table), -1)
+        slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        return slots.reshape(-1).to(self.cache.device)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``k``, ``v`` ``[B, H, n, D]`` at positions [tokens, tokens + n) of every sequence."""
+        batch, heads, n, dim = k.shape
+        stop = self.tokens + n
+        need = -(-stop // self.block_size)  # blocks per sequence
+        grow = sum(max(0, need - len(t)) for t in self.block_table)
+        if grow:
+            first = self.cache.shape[0]
+            extra = torch.zeros(grow, *self.cache.shape[1:], dtype=torch.uint8, device=self.cache.device)
+            self.cache = torch.cat([self.cache, extra], 0)
+            ids = iter(range(first, first + grow))
+            for t in self.block_table:
+                t.extend(next(ids) for _ in range(need - len(t)))
+        slots = self._slots(self.tokens, stop)
+        k_rows = k.transpose(1, 2).reshape(batch * n, heads, dim)  # [B * n, H, D], sequence-major
+        v_rows = v.transpose(1, 2).reshape(batch * n, heads, dim)
+        if self.backend == "triton":
+            _triton()[1].store_mse(k_rows, v_rows, slots, self.cache, self.key_codec, self.value_codec)
+        else:
+            write_slots(self.cache, slots, self.key_codec.encode(k_rows), self.value_codec.encode(v_rows), self.layout)
+        self.tokens = stop
+
+    def read(self, dtype: torch.dtype):
+        """Decoded keys and values ``[B, H, tokens, D]`` in ``dtype`` (model space), or (None, None)."""
+        if self.tokens == 0:
+            return None, None
+        batch, n = len(self.block_table), self.tokens
+        slots = self._slots(0, n)
+        if self.backend == "triton":
+            mse = _triton()[1]
+            k = mse.load_mse(self.cache, slots, self.key_codec, part="key", space="model", out_dtype=dtype)
+            v = mse.load_mse(self.cache, slots, self.value_codec, part="value", space="model", out_dtype=dtype)
+        else:
+            k_codes, v_codes = read_slots(self.cache, slots, self.layout)
+            k = self.key_codec.decode(k_codes, "model").to(dtype)
+            v = self.value_codec.decode(v_codes, "model").to(dtype)
+        shape = (batch, n, self.num_heads, self.key_codec.dim)
+        return k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2)
+
+    def nbytes(self) -> int:
+        """Bytes of the slots that hold tokens (partly filled blocks count their used slots only)."""
+        return len(self.block_table) * self.tokens * self.num_heads * self.layout.slot_bytes
+
+    def allocated_nbytes(self) -> int:
+        return self.cache.numel()
+
+
+def _cat(parts, dim: int):
+    parts = [p for p in parts if p is not None and p.shape[dim] > 0]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+# ----------------------------------------------------------------------------- one layer
+
+
+class KVCacheLayer(CacheLayerMixin):
+    """One layer of a ``KVCache``: its ``KVFormat``, its codes and its unquantized tail."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, fmt: KVFormat, *, num_heads: int, head_dim: int, residual: int, prefill: str,
+                 dtype: torch.dtype | None, backend: str, block_size: int):
+        super().__init__()
+        self.fmt, self.num_heads, self.head_dim = fmt, num_heads, head_dim
+        self.residual, self.prefill, self.store_dtype = residual, prefill, dtype
+        self.requested_backend, self.block_size = backend, block_size
+        self.backend: str | None = None  # resolved at the first update
+        self.length = 0
+
+    def __repr__(self) -> str:
+        return f"KVCacheLayer({self.fmt.label}, tokens={self.length})"
+
+    # -- transformers' layer interface
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        if (heads, dim) != (self.num_heads, self.head_dim):
+            raise ValueError(
+                f"key_states must have {self.num_heads} heads of dimension {self.head_dim}, got shape {tuple(key_states.shape)}"
+            )
+        self.device, self.batch = key_states.device, batch
+        self.dtype = self.store_dtype or key_states.dtype
+        want = self.requested_backend
+        self.backend = ("triton" if key_states.device.type == "cuda" else "reference") if want == "auto" else want
+        self.k_tail = key_states.new_zeros(batch, heads, 0, dim, dtype=self.dtype)
+        self.v_tail = value_states.new_zeros(batch, heads, 0, dim, dtype=self.dtype)
+        self.k_codes = self.v_codes = self.mse = None
+        fmt = self.fmt
+        if fmt.codec == "affine":
+            self.k_codes = _AffineStream(fmt.key_bits, fmt.group_size, fmt.key_axis, heads, dim, self.backend)
+            self.v_codes = _AffineStream(fmt.value_bits, fmt.group_size, "token", heads, dim, self.backend)
+        elif fmt.codec == "mse":
+            self.mse = _MSEStore(_mse_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed),
+                                 _mse_codec(dim, fmt.value_bits, fmt.rotation, fmt.seed),
+                                 heads, self.block_size, batch, self.device, self.backend)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens; return the keys and values attention uses (see the module docstring)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape != value_states.shape or key_states.shape[0] != self.batch:
+            raise ValueError(
+                f"key_states and value_states must both be [{self.batch}, {self.num_heads}, tokens, {self.head_dim}], "
+                f"got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        first = self.length == 0
+        self._store(key_states, value_states)
+        if first and self.prefill == "exact":
+            return key_states, value_states
+        return self._read(key_states.dtype)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_tail = torch.cat([self.k_tail, k.to(self.dtype)], 2)
+        self.v_tail = torch.cat([self.v_tail, v.to(self.dtype)], 2)
+        self.length += k.shape[2]
+        if self.fmt.codec == "fp16":
+            return
+        if self.mse is not None:
+            n = max(0, self.k_tail.shape[2] - self.residual)
+            if n:
+                self.mse.write(self.k_tail[:, :, :n], self.v_tail[:, :, :n])
+                self.k_tail, self.v_tail = self.k_tail[:, :, n:].clone(), self.v_tail[:, :, n:].clone()
+            return
+        for name, stream in (("k_tail", self.k_codes), ("v_tail", self.v_codes)):
+            tail = getattr(self, name)
+            n = max(0, tail.shape[2] - self.residual) // stream.unit * stream.unit
+            if n:
+                stream.write(tail[:, :, :n])
+                setattr(self, name, tail[:, :, n:].clone())
+
+    def _read(self, dtype: torch.dtype):
+        if self.mse is not None:
+            k_q, v_q = self.mse.read(dtype)
+        elif self.k_codes is not None:
+            k_q, v_q = self.k_codes.read(dtype), self.v_codes.read(dtype)
+        else:
+            k_q = v_q = None
+        return _cat([k_q, self.k_tail.to(dtype)], 2), _cat([v_q, self.v_tail.to(dtype)], 2)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Drop every stored token; the next update starts from scratch (a new prompt)."""
+        self.is_initialized = False
+        self.length = 0
+        self.k_tail = self.v_tail = self.k_codes = self.v_codes = self.mse = None
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"KVCache does not support {what} (greedy decoding and sampling work)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("crop (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        self._unsupported("batch_select_indices")
+
+    def offload(self):
+        self._unsupported("offloading")
+
+    def prefetch(self):
+        self._unsupported("offloading")
+
+    # -- memory
+
+    def quantized_tokens(self) -> tuple[int, int]:
+        """Tokens whose keys and whose values are stored as codes."""
+        if not self.is_initialized or self.fmt.codec == "fp16":
+            return 0, 0
+        if self.mse is not None:
+            return self.mse.tokens, self.mse.tokens
+        return self.k_codes.tokens, self.v_codes.tokens
+
+    def nbytes(self) -> int:
+        """Bytes of the codes and the unquantized tail held for the stored tokens."""
+        if not self.is_initialized:
+            return 0
+        tail = (self.k_tail.numel() + self.v_tail.numel()) * self.k_tail.element_size()
+        if self.mse is not None:
+            return tail + self.mse.nbytes()
+        if self.k_codes is not None:
+            return tail + self.k_codes.nbytes() + self.v_codes.nbytes()
+        return tail
+
+    def allocated_nbytes(self) -> int:
+        """``nbytes()`` plus the unused slots of partly filled MSE blocks."""
+        extra = self.mse.allocated_nbytes() - self.mse.nbytes() if self.is_initialized and self.mse is not None else 0
+        return self.nbytes() + extra
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+class KVCache(Cache):
+    """A transformers ``Cache`` whose layers store K and V as kvlab codes (see the module docstring).
+
+    ``KVCache(fmt, config=model.config)`` or, without a model config, ``KVCache(fmt, num_layers=...,
+    num_kv_heads=..., head_dim=...)``.
+
+    * ``fmt``: a ``KVFormat`` for every layer, or a list with one per layer.
+    * ``keep_first`` / ``keep_last``: the first / last layers stored unquantized (fp16).
+    * ``residual``: the most recent tokens of every layer stay unquantized (KIVI's window).
+    * ``prefill``: ``"exact"`` (a layer's first call returns its inputs as given) or ``"stored"``.
+    * ``dtype``: dtype of the unquantized parts (``float16``; ``None``: the model's dtype).
+    * ``backend``: ``"auto"`` (Triton on CUDA, the pure-torch reference elsewhere), ``"triton"``,
+      ``"reference"``; both give the same bytes.
+    * ``block_size``: tokens per block of the paged MSE cache.
+    """
+
+    def __init__(self, fmt: KVFormat | Sequence[KVFormat] = KVFormat("fp16"), *, config=None,
+                 num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 keep_first: int = 0, keep_last: int = 0, residual: int = 0, prefill: str = "exact",
+                 dtype: torch.dtype | None = torch.float16, backend: str = "auto", block_size: int = 16):
+        if config is not None:
+            if num_layers is not None or num_kv_heads is not None or head_dim is not None:
+                raise ValueError("pass either config or num_layers, num_kv_heads and head_dim, not both")
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            num_layers = text.num_hidden_layers
+            num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            for kind in set(getattr(text, "layer_types", None) or ["full_attention"]):
+                if kind != "full_attention":
+                    raise ValueError(f"KVCache supports models with full attention layers only, got layer type {kind!r}")
+        elif num_layers is None or num_kv_heads is None or head_dim is None:
+            raise TypeError("KVCache needs config= or all of num_layers=, num_kv_heads=, head_dim=")
+        C.check_int("num_layers", num_layers, minimum=1)
+        C.check_int("num_kv_heads", num_kv_heads, minimum=1)
+        C.check_int("head_dim", head_dim, minimum=1)
+        if isinstance(fmt, KVFormat):
+            formats = [fmt] * num_layers
+        elif isinstance(fmt, (list, tuple)):
+            if len(fmt) != num_layers:
+                raise ValueError(f"fmt has {len(fmt)} formats but the model has {num_layers} layers (one format per layer)")
+            for i, f in enumerate(fmt):
+                if not isinstance(f, KVFormat):
+                    raise TypeError(f"fmt[{i}] must be a KVFormat, got {type(f).__name__}")
+            formats = list(fmt)
+        else:
+            raise TypeError(f"fmt must be a KVFormat or a list of KVFormat (one per layer), got {type(fmt).__name__}")
+        C.check_int("keep_first", keep_first, minimum=0)
+        C.check_int("keep_last", keep_last, minimum=0)
+        if keep_first + keep_last > num_layers:
+            raise ValueError(f"keep_first + keep_last ({keep_first} + {keep_last}) exceeds the model's {num_layers} layers")
+        C.check_int("residual", residual, minimum=0)
+        C.check_choice("prefill", prefill, PREFILL)
+        if dtype is not None and dtype not in STORE_DTYPES:
+            raise TypeError(f"dtype must be None or one of (float16, bfloat16, float32), got {dtype}")
+        C.check_choice("backend", backend, BACKENDS)
+        C.check_int("block_size", block_size, minimum=1)
+        for f in set(formats):
+            f.check(num_kv_heads, head_dim)
+        for i in [*range(keep_first), *range(num_layers - keep_last, num_layers)]:
+            formats[i] = KVFormat("fp16")
+
+        self.formats = formats
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.keep_first, self.keep_last, self.residual = keep_first, keep_last, residual
+        self.prefill, self.store_dtype = prefill, dtype
+        layers = [
+            KVCacheLayer(f, num_heads=num_kv_heads, head_dim=head_dim, residual=residual, prefill=prefill,
+                         dtype=dtype, backend=backend, block_size=block_size)
+            for f in formats
+        ]
+        super().__init__(layers=layers)
+
+    def __repr__(self) -> str:
+        labels = sorted({f.label for f in self.formats})
+        return (f"KVCache({', '.join(labels)}; layers={len(self.layers)}, keep_first={self.keep_first}, "
+                f"keep_last={self.keep_last}, residual={self.residual}, tokens={self.get_seq_length()})")
+
+    @property
+    def bits_per_element(self) -> float:
+        """Bits per stored K/V element of the codes, metadata included, averaged over layers.
+
+        Unquantized layers count 16 bits. The residual window and an open key group are not included:
+        ``nbytes()`` counts them at the size of ``dtype``.
+        """
+        return sum(f.bits_per_element(self.head_dim) for f in self.formats) / len(self.formats)
+
+    @property
+    def backend(self) -> list[str | None]:
+        """The back end of every layer (None before its first update)."""
+        return [layer.backend for layer in self.layers]
+
+    def nbytes(self) -> int:
+        """Bytes held for the stored tokens: codes with their metadata, plus the unquantized parts."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of every tensor the cache holds, including unused slots of partly filled MSE blocks."""
+        return sum(layer.allocated_nbytes() for layer in self.layers)
+
+    def held_bits_per_element(self) -> float:
+        """``8 * nbytes()`` per stored key and value element, everything included (nan when empty)."""
+        elements = sum(2 * layer.batch * layer.length * self.num_kv_heads * self.head_dim
+                       for layer in self.layers if layer.is_initialized)
+        return 8.0 * self.nbytes() / elements if elements else float("nan")

