@@ -49,9 +49,16 @@ def bench(fn, reps=200):
     return do_bench(fn, warmup=25, rep=reps, return_mode="median")
 
 
-TUNABLES = [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8),
-            dict(block_rows=16, num_warps=4), dict(block_rows=32, num_warps=4),
-            dict(block_rows=64, num_warps=8), dict(block_rows=128, num_warps=8)]
+# Launch configs tried with --sweep, per kernel (the first of each list is the default).
+TUNABLES = {
+    "mse_store": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=2),
+                  dict(block_rows=None, num_warps=8), dict(block_rows=None, num_warps=1),
+                  dict(block_rows=64, num_warps=2), dict(block_rows=256, num_warps=8)],
+    "default": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8),
+                dict(block_rows=16, num_warps=4), dict(block_rows=32, num_warps=4),
+                dict(block_rows=64, num_warps=8), dict(block_rows=128, num_warps=8),
+                dict(block_rows=256, num_warps=8)],
+}
 _best = {}
 SWEEP = False
 
@@ -60,7 +67,9 @@ def tuned(key, call):
     """Median time of ``call(**config)`` at the best launch config for ``key`` (swept on first use)."""
     if key not in _best:
         times = {}
-        for cfg in (TUNABLES if SWEEP else TUNABLES[:1]):
+        configs = TUNABLES.get(key[0], TUNABLES["default"])
+        sweep = SWEEP is True or (isinstance(SWEEP, list) and key[0] in SWEEP)
+        for cfg in (configs if sweep else configs[:1]):
             try:
                 times[tuple(cfg.items())] = bench(lambda: call(**cfg), reps=60)
             except Exception as e:  # a config the kernel rejects or cannot compile
@@ -101,12 +110,14 @@ def main():
     ap.add_argument("--sizes", default="1,4,16", help="millions (2^20) of vectors")
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--no-tests", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="time every launch config in TUNABLES, keep the best")
+    ap.add_argument("--sweep", nargs="?", const="all", default="",
+                    help="time every launch config in TUNABLES and keep the best: for all kernels, "
+                         "or for a comma-separated list (e.g. mse_store,mse_load)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), no timing claims")
     ap.add_argument("--tests-log", help="pytest -q output of a run on this machine, recorded instead of running the tests")
     args = ap.parse_args()
     global DEV, SWEEP
-    SWEEP = args.sweep
+    SWEEP = args.sweep.split(",") if args.sweep and args.sweep != "all" else bool(args.sweep)
     unit = 1 << 20
     if args.smoke:
         DEV, unit = "cpu", 1 << 10
@@ -151,9 +162,9 @@ def main():
         v16 = torch.randn(tokens, HEADS, DIM, device=DEV, dtype=torch.float16)
 
         # ---- MSE store / load in the paged layout
-        for bits in (2, 3, 4):
-            kc = kvlab.MSECodec(DIM, bits, rotation="haar", seed=0)
-            vc = kvlab.MSECodec(DIM, bits, rotation="haar", seed=1)
+        for bits, rot in [(b, r) for r in ("haar", "hadamard") for b in (2, 3, 4)]:
+            kc = kvlab.MSECodec(DIM, bits, rotation=rot, seed=0)
+            vc = kvlab.MSECodec(DIM, bits, rotation=rot, seed=1)
             layout = kvlab.MSESlot(DIM, bits, bits)
             block_size = 16
             cache = torch.zeros(tokens // block_size, block_size, HEADS, layout.slot_bytes, dtype=torch.uint8, device=DEV)
@@ -162,21 +173,27 @@ def main():
             if n_m == order[0]:
                 sample = slots[:4096]
                 kref, vref = kvlab.read_slots(cache, sample, layout)
-                checks[f"mse_store_b{bits}_bytes_equal"] = bool(
+                checks[f"mse_store_{rot}_b{bits}_bytes_equal"] = bool(
                     torch.equal(kref, kc.encode(x16[:4096])) and torch.equal(vref, vc.encode(v16[:4096]))
                 )
-            ms, cfg = tuned(("mse_store", bits), lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, **c))
-            record("mse_store", "haar, K+V, GEMM included", bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg)
+            ms, cfg = tuned(("mse_store", rot, bits), lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, **c))
+            variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
+            record("mse_store", variant, bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg)
 
             for space in ("rotated", "model"):
                 out = kvlab.load_mse(cache, slots, vc, part="value", space=space)
                 if n_m == order[0]:
                     ref = vc.decode(kvlab.read_slots(cache, slots[:4096], layout)[1], space=space)
-                    checks[f"mse_load_{space}_b{bits}_rel_err"] = rel_err(out[:4096], ref)
-                ms, cfg = tuned(("mse_load", space, bits),
+                    checks[f"mse_load_{rot}_{space}_b{bits}_rel_err"] = rel_err(out[:4096], ref)
+                if rot == "hadamard" and space == "rotated":
+                    continue  # the rotated-space load does not depend on the rotation: timed with Haar
+                ms, cfg = tuned(("mse_load", rot, space, bits),
                                 lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, **c))
-                record("mse_load", f"value, {space} space", bits, n, ms, n * layout.value_code_bytes + n * DIM * 2, cfg)
+                record("mse_load", f"value, {space} space" + (", hadamard" if rot == "hadamard" else ""), bits, n, ms, n * layout.value_code_bytes + n * DIM * 2, cfg)
 
+            if rot == "hadamard":  # the baseline reads the same slots whatever the rotation: timed with Haar
+                del cache
+                continue
             # baseline: one program per (token, head), same slot layout
             cent = vc.centroids.to(DEV)
             base = one_program_per_vector.unpack_values_rotated(

@@ -57,8 +57,8 @@ Reference
 Checks
     With ``check=True`` (the default) the launchers also check values, which costs one host sync per
     call: slot numbers in range (before the launch) and, for ``store_mse``, NaN/Inf inputs and norms
-    that overflow fp16 (flags the kernel raises in a one-word device tensor, read after the launch; the
-    call's slots are then already written). ``check=False`` skips every value check and never syncs;
+    that overflow fp16 (the kernel writes each row's norm, the launcher checks them after the launch;
+    the call's slots are then already written). ``check=False`` skips every value check and never syncs;
     the kernels still skip out-of-range slots instead of writing outside the cache.
 """
 
@@ -83,8 +83,6 @@ GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` byte
 STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
 LOAD_TILE_ELEMENTS = 8192  # default BLOCK_ROWS * BLOCK_D of a load program (64 rows of 128)
 
-# error flags raised by the store kernel when CHECK is on
-FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW, FLAG_VALUE_NONFINITE, FLAG_VALUE_OVERFLOW = 1, 2, 4, 8
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -240,15 +238,13 @@ def _encode_rows(
     mid_ptr,  # fp64 [2**BITS - 1]: midpoints between each boundary and the next float32
     tie_ptr,  # int32 [2**BITS - 1]: 1 where a value at the midpoint rounds up
     cache_ptr,  # uint8: the cache, addressed by byte offsets
-    status_ptr,  # int32 [1]: error flags, OR-ed in when CHECK
+    norm_ptr,  # fp32 [num_rows]: CHECK: the rows' norms, checked by the launcher
     # this tile's rows
     o_r,  # [BR] int64: row ids (token * num_heads + head)
     m_r,  # [BR] bool: rows to write (in range, slot valid)
     o_dst,  # [BR] int64: byte offset of this part's code in the row's slot
     stride_x,  # elements between rows of x
     scale,  # fp32: 1 / sqrt(D) (HADAMARD)
-    flag_nonfinite,  # error bits OR-ed into status (CHECK)
-    flag_overflow,
     # settings
     D: tl.constexpr,
     C: tl.constexpr,  # chunks of 8 columns (a power of two, 8 C >= D)
@@ -354,11 +350,8 @@ def _encode_rows(
         o_u = tl.arange(0, BLOCK_B)
         tl.store(cache_ptr + o_dst[:, None] + o_u[None, :], b_b.to(tl.uint8), mask=m_r[:, None] & (o_u < CODE_BYTES)[None, :])
 
-    if CHECK:
-        m_bad = m_r & ~(b_norm < float("inf"))  # NaN or Inf
-        m_big = m_r & (b_norm > 65504.0) & (b_norm < float("inf"))
-        b_flags = tl.max(m_bad.to(tl.int32), axis=0) * flag_nonfinite | tl.max(m_big.to(tl.int32), axis=0) * flag_overflow
-        tl.atomic_or(status_ptr, b_flags, mask=b_flags != 0)  # one atomic per program, only on error
+    if CHECK:  # the norms of the rows written; the launcher rejects NaN, Inf and fp16 overflow
+        tl.store(norm_ptr + o_r, b_norm, mask=m_r)
 
 
 @triton.jit
@@ -370,7 +363,7 @@ def _store_mse_kernel(
     tie_ptr,  # int32 [2**BITS - 1]
     slot_ptr,  # int32/int64 [num_tokens]
     cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
-    status_ptr,  # int32 [1]: error flags (CHECK only)
+    norm_ptr,  # fp32 [num_rows]: the rows' norms (CHECK only)
     # scalars, sizes and strides
     scale,  # fp32 1 / sqrt(D) (HADAMARD)
     stride_x,  # elements between rows of x_ptr
@@ -381,8 +374,6 @@ def _store_mse_kernel(
     stride_block,
     stride_pos,
     stride_head,
-    flag_nonfinite,  # the bits this part OR-s into status
-    flag_overflow,
     # settings
     D: tl.constexpr,
     C: tl.constexpr,  # chunks of 8 columns (a power of two, 8 C >= D)
@@ -405,8 +396,8 @@ def _store_mse_kernel(
     b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
     m_w = m_r & (b_slot >= 0) & (b_slot < num_slots)  # out-of-range slots are never written
     o_dst = (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + offset
-    _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, cache_ptr, status_ptr,
-                 o_r, m_w, o_dst, stride_x, scale, flag_nonfinite, flag_overflow,
+    _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, cache_ptr, norm_ptr,
+                 o_r, m_w, o_dst, stride_x, scale,
                  D, C, LOG_D, PIECES, BLOCK_ROWS, BITS, INDEX_BYTES, HEAD, HADAMARD, CHECK)
 
 
@@ -738,18 +729,19 @@ def store_mse(
         mid, tie = _midpoints(codec, device)
         parts.append(dict(rows=rows, signs=sign_bits, mid=mid, tie=tie, scale=scale, hadamard=signs is not None,
                           head=_store_head(cache, offset, index_bytes + NORM_BYTES)))
-    status = torch.zeros(1, dtype=torch.int32, device=device) if check else parts[0]["mid"]  # unused when not checking
+    # check: every written row's norm (rows not written stay 0); else a placeholder, never accessed
+    norms = torch.zeros(2, num_rows if check else 1, dtype=torch.float32, device=device)
     block_d = _store_block_d(dim)
     grid = (triton.cdiv(num_rows, block_rows),)
     with _on(device):
-        for p, codec, offset, index_bytes, flags in (
-            (parts[0], key_codec, 0, layout.key_bytes, (FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW)),
-            (parts[1], value_codec, layout.value_offset, layout.value_bytes, (FLAG_VALUE_NONFINITE, FLAG_VALUE_OVERFLOW)),
+        for p, codec, offset, index_bytes, part_norms in (
+            (parts[0], key_codec, 0, layout.key_bytes, norms[0]),
+            (parts[1], value_codec, layout.value_offset, layout.value_bytes, norms[1]),
         ):
             _store_mse_kernel[grid](  # no FMA contraction: y = z * scale must be rounded before t - y
-                p["rows"], p["signs"], p["mid"], p["tie"], slot_mapping, cache, status,
+                p["rows"], p["signs"], p["mid"], p["tie"], slot_mapping, cache, part_norms,
                 p["scale"], p["rows"].stride(0), num_rows, num_slots, offset,
-                slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), *flags,
+                slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
                 D=dim,
                 C=block_d // 8,
                 LOG_D=dim.bit_length() - 1,
@@ -766,13 +758,13 @@ def store_mse(
                 enable_fp_fusion=False,
             )
     if check:
-        flags = int(status.item())
-        for name, nonfinite, overflow in (("key", FLAG_KEY_NONFINITE, FLAG_KEY_OVERFLOW),
-                                          ("value", FLAG_VALUE_NONFINITE, FLAG_VALUE_OVERFLOW)):
-            if flags & nonfinite:
+        finite = torch.isfinite(norms)
+        flags = torch.stack([(~finite).any(1), (finite & (norms > C.FP16_MAX)).any(1)], 1).tolist()  # one sync
+        for name, (nonfinite, overflow) in zip(("key", "value"), flags):
+            if nonfinite:
                 raise ValueError(f"{name} holds NaN or Inf values (or vectors whose norm overflows fp32); "
                                  "only finite values can be encoded")
-            if flags & overflow:
+            if overflow:
                 raise ValueError(f"{name} has vectors with norm above {C.FP16_MAX:g}; the norm is stored in fp16")
 
 
