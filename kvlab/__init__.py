@@ -33,6 +33,10 @@ from .qjl import QJLCodec  # noqa: E402  pure-torch inner-product codec: MSE cod
 
 __all__ += ["QJLCodec", "metrics"]
 
+from .decode import AffineSlot, decode_attention, prefill_attention, rotate_attention_output, store_affine_slots  # noqa: E402  fused decode attention over the paged cache
+
+__all__ += ["AffineSlot", "decode_attention", "prefill_attention", "rotate_attention_output", "store_affine_slots"]
+
 # The transformers cache and the real model import transformers: loaded on first use (PEP 562).
 _LAZY = {
     "KVCache": "cache", "KVFormat": "cache",

@@ -301,3 +301,95 @@ def read_slots(cache, slot_mapping, layout: MSESlot):
     slots = flat[slot_mapping.long().clamp_min(0)]
     slots = torch.where((slot_mapping >= 0).view(-1, 1, 1), slots, torch.zeros_like(slots))
     return slots[..., : layout.key_code_bytes], slots[..., layout.key_code_bytes :]
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+
+def _affine_slot_sizes(dim: int, key_codec: AffineCodec, value_codec: AffineCodec) -> tuple[int, int]:
+    """Bytes of the key and of the value code in a slot of the paged affine cache (``kvlab.decode.AffineSlot``)."""
+    return key_codec.nbytes(dim), value_codec.nbytes(dim)
+
+
+def write_affine_slots(cache, slot_mapping, key, value, key_codec: AffineCodec, value_codec: AffineCodec) -> None:
+    """Encode ``key``/``value`` ``[num_tokens, num_kv_heads, dim]`` into the paged affine cache (in place).
+
+    A slot of one head is ``key code | value code``, each ``AffineCodec(bits, group_size, "token").encode``;
+    token ``i`` goes to slot ``slot_mapping[i]`` (``-1``: skipped).
+    """
+    C.check_tensor("cache", cache, (torch.uint8,))
+    num_blocks, block_size, num_heads, slot_bytes = cache.shape
+    kb, vb = _affine_slot_sizes(key.shape[-1], key_codec, value_codec)
+    if slot_bytes != kb + vb:
+        raise ValueError(f"cache's slot_bytes must be {kb + vb} for these codecs, got {slot_bytes}")
+    C.check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size, cache.device)
+    codes = torch.cat([key_codec.encode(key), value_codec.encode(value)], -1)
+    keep = slot_mapping >= 0
+    cache.view(num_blocks * block_size, num_heads, slot_bytes)[slot_mapping[keep].long()] = codes[keep]
+
+
+def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec):
+    """Model-space fp32 keys and values of each sequence: a list of ``(K, V)`` ``[seq_len, num_kv_heads, dim]``.
+
+    ``MSECodec`` codecs read the cache of ``kvlab.layout``; ``AffineCodec`` codecs (token axis) the paged
+    affine cache (``key code | value code`` per slot).
+    """
+    num_blocks, block_size, num_heads, slot_bytes = cache.shape
+    flat = cache.reshape(num_blocks * block_size, num_heads, slot_bytes)
+    out = []
+    for b in range(block_table.shape[0]):
+        n = int(seq_lens[b])
+        t = torch.arange(n, device=cache.device)
+        slots = block_table[b].long()[t // block_size] * block_size + t % block_size
+        codes = flat[slots]
+        if isinstance(key_codec, MSECodec):
+            kb = key_codec.nbytes
+            k = key_codec.decode(codes[..., :kb], space="model")
+            v = value_codec.decode(codes[..., kb:], space="model")
+        else:
+            dim = _affine_dim(key_codec, value_codec, slot_bytes)
+            kb = key_codec.nbytes(dim)
+            k = key_codec.decode(codes[..., :kb], dim)
+            v = value_codec.decode(codes[..., kb:], dim)
+        out.append((k, v))
+    return out
+
+
+def _affine_dim(key_codec: AffineCodec, value_codec: AffineCodec, slot_bytes: int) -> int:
+    """The head dim whose key and value codes fill ``slot_bytes``."""
+    for dim in range(key_codec.group_size, 8 * slot_bytes + 1, key_codec.group_size):
+        if key_codec.nbytes(dim) + value_codec.nbytes(dim) == slot_bytes:
+            return dim
+    raise ValueError(f"no head dim fits slot_bytes={slot_bytes} for {key_codec} and {value_codec}")
+
+
+def _attend(q, k, v, scale, causal_from=None):
+    """fp64 attention of ``q [n_q, num_q_heads, dim]`` over ``k, v [n_k, num_kv_heads, dim]`` (GQA)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if causal_from is not None:  # query i sits at position causal_from + i
+        allowed = torch.arange(k.shape[0])[None, :] <= (causal_from + torch.arange(q.shape[0]))[:, None]
+        s = s.masked_fill(~allowed.to(s.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+
+
+def decode_attention_reference(q, cache, block_table, seq_lens, key_codec, value_codec, scale=None) -> torch.Tensor:
+    """fp32 ``[batch, num_q_heads, dim]``: attention of ``q [batch, num_q_heads, dim]`` over the dequantized cache.
+
+    Computed in fp64 from ``dequantize_paged`` (model space), rounded to fp32 once.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    seqs = dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec)
+    out = [_attend(q[b : b + 1].float(), k, v, scale)[0] for b, (k, v) in enumerate(seqs)]
+    return torch.stack(out).float() if out else q.new_zeros(q.shape, dtype=torch.float32)
+
+
+def prefill_attention_reference(q, cache, block_table, seq_lens, key_codec, value_codec, scale=None) -> torch.Tensor:
+    """fp32 ``[batch, q_len, num_q_heads, dim]``: causal attention of the last ``q_len`` tokens of each sequence."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    seqs = dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec)
+    q_len = q.shape[1]
+    out = [_attend(q[b].float(), k, v, scale, causal_from=k.shape[0] - q_len) for b, (k, v) in enumerate(seqs)]
+    return torch.stack(out).float()

@@ -1,0 +1,275 @@
+"""Decode attention over the quantized paged cache against torch SDPA in fp16 (GPU only).
+
+One run: optionally runs ``tests/test_decode.py`` compiled on this GPU (or records the log of a run made
+just before), measures the device copy bandwidth, checks ``decode_attention`` against the reference at
+a few thousand tokens, sweeps a few launch configurations at the headline shape (batch 8, context 32k),
+then times every grid point: batch 1/8/32 x context 1k/4k/16k/32k/128k, 32 query heads, 8 KV heads,
+head dim 128, for the MSE codec at K4V4, K3V3, K2V2 and the affine codec (groups of 32) at K4V4 and
+K8V8, against ``scaled_dot_product_attention`` in fp16 over an unquantized contiguous cache of the same
+shape, timed in the same run (the query group of a KV head is SDPA's query axis, so no head is copied).
+
+Timings are medians of ``triton.testing.do_bench`` of the whole entry point (query rotation GEMM,
+split kernel, merge kernel, output rotation GEMM). Bytes counted are those each kernel must read:
+the packed slots of every cached token (``slot_bytes`` per token and KV head) for the quantized cache,
+the fp16 K and V for SDPA. The quantized caches hold random codes (valid fp16 norms, scales and zeros)
+in shuffled physical blocks of 16 tokens; grid points that do not fit in memory are recorded as skipped.
+
+    python benchmarks/bench_decode.py [--out results] [--no-tests | --tests-log FILE] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kvlab  # noqa: E402
+from kvlab import reference as ref  # noqa: E402
+from kvlab.decode import AffineSlot, decode_attention  # noqa: E402
+
+HQ, HKV, DIM, BLOCK = 32, 8, 128, 16
+BATCHES = (1, 8, 32)
+CONTEXTS = (1024, 4096, 16384, 32768, 131072)
+HEADLINE = (8, 32768)
+CODECS = [("mse", 4, 4), ("mse", 3, 3), ("mse", 2, 2), ("affine", 4, 4), ("affine", 8, 8)]
+GROUP = 32
+TARGETS = {("mse", 4, 4): 3.0, ("mse", 3, 3): 3.5, ("mse", 2, 2): 4.5}
+SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages=1),
+         dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=128, num_warps=8),
+         dict(block_n=64, num_warps=4, splits_factor=2)]
+
+
+def bench(fn, rep=60):
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def copy_bandwidth(nbytes=4 << 30):
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), rep=200)
+    del src, dst
+    return 2 * nbytes / ms / 1e6  # GB/s, read + write
+
+
+def run_tests(log=None):
+    if log:
+        text, returncode = Path(log).read_text(), None
+    else:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_decode.py"],
+                              cwd=ROOT, capture_output=True, text=True)
+        text, returncode = proc.stdout + proc.stderr, proc.returncode
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln or " error" in ln), "")
+    passed = returncode == 0 if returncode is not None else (" passed" in summary and "failed" not in summary and "error" not in summary)
+    return {"passed": passed, "summary": summary, "tail": "\n".join(lines[-30:])}
+
+
+def codecs(kind, kb, vb):
+    if kind == "mse":
+        return kvlab.MSECodec(DIM, kb, seed=0), kvlab.MSECodec(DIM, vb, seed=1), kvlab.MSESlot(DIM, kb, vb)
+    return kvlab.AffineCodec(kb, GROUP), kvlab.AffineCodec(vb, GROUP), AffineSlot(DIM, kb, vb, GROUP)
+
+
+def fp16_bytes(v: float) -> list[int]:
+    u = int(torch.tensor(v, dtype=torch.float16).view(torch.int16)) & 0xFFFF
+    return [u & 0xFF, u >> 8]
+
+
+def random_cache(kind, layout, batch, context):
+    """Random codes in shuffled blocks; norms (MSE) or scales and zeros (affine) set to valid fp16 values."""
+    num_blocks = batch * context // BLOCK
+    cache = torch.randint(0, 256, (num_blocks, BLOCK, HKV, layout.slot_bytes), dtype=torch.uint8, device="cuda")
+    if kind == "mse":
+        for at in (layout.key_norm_offset, layout.value_norm_offset):
+            cache[..., at : at + 2] = torch.tensor(fp16_bytes(1.0), dtype=torch.uint8, device="cuda")
+    else:
+        ng = DIM // GROUP
+        for start, bits in ((0, layout.key_bits), (layout.value_offset, layout.value_bits)):
+            meta = start + DIM * bits // 8
+            cache[..., meta : meta + 2 * ng] = torch.tensor(fp16_bytes(0.01) * ng, dtype=torch.uint8, device="cuda")
+            cache[..., meta + 2 * ng : meta + 4 * ng] = torch.tensor(fp16_bytes(-0.1) * ng, dtype=torch.uint8, device="cuda")
+    block_table = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, context // BLOCK)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return cache, block_table, seq_lens
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def correctness_checks():
+    """decode_attention vs the reference at a few thousand tokens, data written by the store kernels."""
+    checks = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = [3001, 1777]
+    for kind, kb, vb in CODECS:
+        kc, vc, layout = codecs(kind, kb, vb)
+        max_blocks = -(-max(lens) // BLOCK)
+        cache = torch.zeros(len(lens) * max_blocks, BLOCK, HKV, layout.slot_bytes, dtype=torch.uint8, device="cuda")
+        block_table = torch.randperm(cache.shape[0], device="cuda").to(torch.int32).view(len(lens), max_blocks)
+        for b, n in enumerate(lens):
+            t = torch.arange(n, device="cuda")
+            slots = block_table[b].long()[t // BLOCK] * BLOCK + t % BLOCK
+            key = torch.randn(n, HKV, DIM, device="cuda", generator=g, dtype=torch.float16)
+            value = torch.randn(n, HKV, DIM, device="cuda", generator=g, dtype=torch.float16)
+            if kind == "mse":
+                kvlab.store_mse(key, value, slots, cache, kc, vc)
+            else:
+                kvlab.decode.store_affine_slots(key, value, slots, cache, kc, vc)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(lens), HQ, DIM, device="cuda", generator=g, dtype=torch.float16)
+        expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
+        checks[f"{kind}_k{kb}v{vb}_rel_err"] = rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc), expected)
+        if kind == "mse":
+            checks[f"{kind}_k{kb}v{vb}_generic_rel_err"] = rel_err(
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=False), expected)
+    return checks
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--no-tests", action="store_true")
+    ap.add_argument("--tests-log", help="pytest output of tests/test_decode.py run on this machine just before")
+    ap.add_argument("--quick", action="store_true", help="headline point only (batch 8, context 32k)")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a GPU"
+    torch.manual_seed(0)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": dt.date.today().isoformat(), "num_q_heads": HQ, "num_kv_heads": HKV, "dim": DIM,
+            "block_size": BLOCK, "affine_group_size": GROUP}
+    if not args.no_tests:
+        meta["tests"] = run_tests(args.tests_log)
+        print("tests:", meta["tests"]["summary"], flush=True)
+    meta["copy_gbps"] = copy_bandwidth()
+    print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
+    meta["checks"] = correctness_checks()
+    print(json.dumps(meta["checks"], indent=1), flush=True)
+    total_mem = torch.cuda.get_device_properties(0).total_memory
+
+    # ---- launch configurations at the headline shape
+    best = {}
+    b, L = HEADLINE
+    sweep_rows = []
+    for kind, kb, vb in CODECS:
+        kc, vc, layout = codecs(kind, kb, vb)
+        cache, block_table, seq_lens = random_cache(kind, layout, b, L)
+        q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
+        default_splits = kvlab.decode._default_splits(b, HKV, L, 64, q.device)
+        times = {}
+        for cfg in SWEEP:
+            kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
+            kw["num_splits"] = max(1, round(default_splits * cfg.get("splits_factor", 1)))
+            try:
+                ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw))
+            except Exception as e:  # a configuration that does not compile or fit
+                print(f"  {kind} k{kb}v{vb} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            times[tuple(cfg.items())] = ms
+            sweep_rows.append(dict(codec=kind, key_bits=kb, value_bits=vb, config=str(cfg), num_splits=kw["num_splits"], time_ms=ms))
+            print(f"  sweep {kind} k{kb}v{vb} {cfg} splits={kw['num_splits']}: {ms:.4f} ms", flush=True)
+        best[(kind, kb, vb)] = dict(min(times, key=times.get))
+        if kind == "mse":  # the generic unpack (shifts and a gathered centroid) at the best configuration
+            cfg = best[(kind, kb, vb)]
+            kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
+            kw["num_splits"] = max(1, round(default_splits * cfg.get("splits_factor", 1)))
+            ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, fast=False, **kw))
+            sweep_rows.append(dict(codec=kind, key_bits=kb, value_bits=vb, config=str(cfg) + " fast=False",
+                                   num_splits=kw["num_splits"], time_ms=ms))
+            print(f"  generic unpack {kind} k{kb}v{vb}: {ms:.4f} ms", flush=True)
+        del cache, block_table
+    meta["sweep"] = sweep_rows
+    meta["compiled"] = [dict(key=str(k)[:300], n_regs=v.n_regs, n_spills=v.n_spills)
+                        for cache_ in kvlab.decode._decode_split_kernel.device_caches.values() for k, v in cache_[0].items()]
+    for c in meta["compiled"]:
+        print("  compiled: regs", c["n_regs"], "spills", c["n_spills"], c["key"][:160], flush=True)
+
+    # ---- the grid
+    rows = []
+    grid = [HEADLINE] if args.quick else [(b, L) for b in BATCHES for L in CONTEXTS]
+    for b, L in grid:
+        fp16_need = 2 * b * HKV * L * DIM * 2
+        base = dict(batch=b, context=L, num_q_heads=HQ, num_kv_heads=HKV, dim=DIM)
+        sdpa_ms = None
+        if 2.5 * fp16_need > total_mem:
+            rows.append(dict(base, codec="sdpa_fp16", key_bits=16, value_bits=16, status="skipped: does not fit in memory"))
+        else:
+            try:
+                k = torch.randn(b, HKV, L, DIM, device="cuda", dtype=torch.float16)
+                v = torch.randn_like(k)
+                qg = torch.randn(b, HKV, HQ // HKV, DIM, device="cuda", dtype=torch.float16)
+                sdpa_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qg, k, v))
+                rows.append(dict(base, codec="sdpa_fp16", key_bits=16, value_bits=16, status="ok", time_ms=sdpa_ms,
+                                 bytes=fp16_need, config="q group as SDPA's query axis"))
+                del k, v, qg
+            except torch.cuda.OutOfMemoryError:
+                rows.append(dict(base, codec="sdpa_fp16", key_bits=16, value_bits=16, status="skipped: out of memory"))
+            torch.cuda.empty_cache()
+        for kind, kb, vb in CODECS:
+            kc, vc, layout = codecs(kind, kb, vb)
+            need = b * L * HKV * layout.slot_bytes
+            row = dict(base, codec=kind, key_bits=kb, value_bits=vb)
+            if 2.5 * need > total_mem:
+                rows.append(dict(row, status="skipped: does not fit in memory"))
+                continue
+            try:
+                cache, block_table, seq_lens = random_cache(kind, layout, b, L)
+                q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
+                cfg = best[(kind, kb, vb)]
+                kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
+                kw["num_splits"] = max(1, round(kvlab.decode._default_splits(b, HKV, L, kw["block_n"], q.device) * cfg.get("splits_factor", 1)))
+                ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw))
+                rows.append(dict(row, status="ok", time_ms=ms, bytes=need, config=" ".join(f"{k}={v}" for k, v in kw.items()),
+                                 speedup_vs_sdpa=sdpa_ms / ms if sdpa_ms else None))
+                del cache, block_table, q
+            except torch.cuda.OutOfMemoryError:
+                rows.append(dict(row, status="skipped: out of memory"))
+            torch.cuda.empty_cache()
+        for r in rows[-(1 + len(CODECS)):]:
+            if r.get("status") == "ok":
+                r["gbps"] = r["bytes"] / r["time_ms"] / 1e6
+                r["frac_copy"] = r["gbps"] / meta["copy_gbps"]
+                sp = r.get("speedup_vs_sdpa")
+                print(f"B={b:3d} L={L:6d} {r['codec']:9s} k{r['key_bits']}v{r['value_bits']} {r['time_ms']:8.4f} ms "
+                      f"{100 * r['frac_copy']:5.1f} % copy bw" + (f"  {sp:5.2f}x SDPA" if sp else ""), flush=True)
+
+    headline = {}
+    for r in rows:
+        if (r["batch"], r["context"]) == HEADLINE and r.get("speedup_vs_sdpa") and r["codec"] == "mse":
+            key = (r["codec"], r["key_bits"], r["value_bits"])
+            headline[f"mse_k{r['key_bits']}v{r['value_bits']}"] = dict(
+                speedup_vs_sdpa=r["speedup_vs_sdpa"], target=TARGETS[key], met=r["speedup_vs_sdpa"] >= TARGETS[key],
+                frac_copy=r["frac_copy"])
+    meta["headline"] = headline
+    print(json.dumps(headline, indent=1))
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tests_passed = meta.get("tests", {}).get("passed")
+    keys = ["codec", "key_bits", "value_bits", "batch", "context", "num_q_heads", "num_kv_heads", "dim", "status",
+            "time_ms", "bytes", "gbps", "frac_copy", "speedup_vs_sdpa", "config",
+            "device", "torch", "triton", "date", "copy_gbps", "tests_passed"]
+    with open(out / "decode_attention.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({**{k: r.get(k, "") for k in keys[:15]}, "device": meta["device"], "torch": meta["torch"],
+                        "triton": meta["triton"], "date": meta["date"], "copy_gbps": meta["copy_gbps"],
+                        "tests_passed": tests_passed})
+    (out / "decode_attention.json").write_text(json.dumps(meta, indent=1))
+    print(f"wrote {out / 'decode_attention.csv'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,917 @@
+"""Fused decode attention over kvlab's quantized paged KV cache: ``decode_attention``.
+
+What
+    One new query token per sequence attends over its cached keys and values, read straight from the
+    packed paged cache: ``out[b, i] = softmax(scale * q[b, i] . K[b, :seq_lens[b], h(i)]) @ V[...]``
+    with ``h(i) = i // (num_q_heads / num_kv_heads)`` (grouped-query attention). Two codecs share the
+    entry point, so that they can be timed side by side:
+
+    * MSE (``kvlab.MSECodec`` keys and values, 2, 3 or 4 bits each): the cache of ``kvlab.layout``,
+      exactly what ``store_mse`` writes. Attention runs in rotated space throughout. With ``y = x R``
+      the rotation, a key decodes to ``k R = n_k c[i_k] / |c[i_k]|`` (``c`` the Lloyd-Max centroids,
+      ``n_k`` the stored fp16 norm, ``|c[i_k]|`` the centroid vector's norm: norm correction), so
+
+      .. math:: q \\cdot k = (q R_K) \\cdot (k R_K) = \\frac{n_k}{|c[i_k]|} \\sum_j (q R_K)_j\\, c[i_{k,j}],
+
+      and ``sum_t p_t v_t = (sum_t p_t (n_t / |c[i_t]|) c[i_t]) R_V^T``. The query is rotated once
+      (one GEMM for the batch), every score is a dot of the rotated query with the *unscaled*
+      centroids of a key times one per-token factor, every value enters with its norm factor folded
+      into the attention weight, and the output is rotated back once at the end
+      (``rotate_attention_output``). No cached vector is ever rotated.
+    * Affine (``kvlab.AffineCodec(bits, group_size, axis="token")`` keys and values, 4 or 8 bits):
+      the paged affine layout below. Dequantization ``x_j = n_j s_g + z_g`` is linear in the index
+      ``n``; the kernel forms ``n s + z`` per group tile and runs the same loop (no rotation).
+
+    Split-KV (flash-decoding): the keys of a sequence are cut into ``num_splits`` ranges; one program
+    per (sequence, KV head, range) computes an unnormalised partial output with its running maximum and
+    sum (base-2 online softmax), and a second kernel merges the ranges with a log-sum-exp reduction.
+
+    ``prefill_attention`` is the continuation-prefill path (several new tokens per sequence whose keys
+    and values are already in the cache): it materialises model-space K/V of the whole context, the
+    inverse rotation as one batched GEMM (``load_mse(space="model")``), and runs torch SDPA.
+
+Layouts
+    MSE: ``kvlab.layout`` (one uint8 cache ``[num_blocks, block_size, num_kv_heads, slot_bytes]``, a
+    slot of one head is ``key indices | key norm | value indices | value norm``).
+
+    Paged affine cache (``AffineSlot``): one uint8 tensor ``[num_blocks, block_size, num_kv_heads,
+    slot_bytes]``; token ``t`` of sequence ``b`` lives in block ``block_table[b, t // block_size]`` at
+    position ``t % block_size``, and one slot of one head holds the token-axis affine codes of its key
+    and of its value, back to back::
+
+        key indices | key scales | key zeros | value indices | value scales | value zeros
+
+    each part exactly ``AffineCodec(bits, group_size, "token").encode(x)`` (indices packed as
+    ``kvlab.layout`` states, then ``dim / group_size`` fp16 scales, then as many fp16 zeros). Key and
+    value bits may differ; both use the same ``group_size``. ``kvlab.reference.write_affine_slots``
+    writes it; ``store_affine_slots`` does the same with the ``pack_affine`` kernel.
+
+    Both caches: ``block_table`` int32 ``[batch, max_blocks]`` maps logical to physical blocks (entries
+    past a sequence's last block are never read), ``seq_lens`` ``[batch]`` counts each sequence's cached
+    tokens (1 .. ``max_blocks * block_size``).
+
+How (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per step)
+    * The query group of a KV head (``num_q_heads / num_kv_heads`` rows) is padded to 16 rows, so that
+      each dequantized ``[BLOCK_N, dim]`` tile feeds one ``tl.dot`` for the scores and one for the
+      output, shared by the whole group.
+    * Bytes are read once, as 32-bit words (value codes start 2-byte aligned: two 16-bit loads per
+      word). The centroid lookup is a byte permute (``prmt``, inline PTX): the fp16 centroids are held
+      as byte planes in registers (low bytes of the table in two registers, high bytes in two), one
+      ``prmt`` looks up four 3-bit indices, two more interleave low and high bytes into fp16 pairs.
+      4-bit: the codebook is symmetric, so the 3-bit magnitude ``(i ^ ~sign) & 7`` indexes 8 fp16
+      magnitudes and a sign-replicating ``prmt`` restores the sign. 3-bit: three shift-and-mask steps
+      spread eight 3-bit fields of a 24-bit group into nibbles. 2-bit: four centroids are one 8-byte
+      table, so one ``prmt`` turns two indices into an fp16 pair (selector ``2 i * 0x11 + 0x10`` per
+      index, one multiply-add for two indices). The same asm block sums the squares of the eight values
+      in fp16 pairs (the norm-correction energy). No per-element gather, shift or conversion.
+    * Coordinate order inside a tile is the order those lookups produce: natural for 3 and 4 bits;
+      for 2 bits, position ``2 k + h`` of each 16 holds coordinate ``k % 4 + 4 h + 8 (k // 4)``. The
+      query's rotated coordinates are permuted to match (``tile_order``) and the output's are put back
+      by the merge kernel, so the order is invisible outside.
+    * Without a GPU (Triton's interpreter) and with ``fast=False`` the kernel unpacks each index with
+      shifts and gathers its centroid from the table instead: same tile order, same result up to fp16
+      rounding.
+
+Reference
+    ``kvlab.reference.decode_attention_reference`` / ``prefill_attention_reference``: fp32 attention
+    over the cache dequantized by the reference codecs (this module does not import them);
+    ``tests/test_decode.py`` compares the two.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _checks as C
+from .affine import affine_code_bytes, pack_affine, unpack_affine
+from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .mse import load_mse
+
+__all__ = [
+    "AffineSlot",
+    "decode_attention",
+    "prefill_attention",
+    "rotate_attention_output",
+    "store_affine_slots",
+    "tile_order",
+]
+
+MSE_BITS = (2, 3, 4)
+AFFINE_BITS = (4, 8)
+DIMS = (64, 128, 256)
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # default: a split covers at least this many keys
+PROGRAMS_PER_SM = 16  # default number of splits: about this many programs per SM
+NEG_BIG = tl.constexpr(-1.0e30)  # running maximum before any key (finite: no inf - inf)
+
+
+@dataclass(frozen=True)
+class AffineSlot:
+    """Offsets inside one ``[key code | value code]`` slot of the paged affine cache (token-axis codes)."""
+
+    dim: int
+    key_bits: int
+    value_bits: int
+    group_size: int
+
+    @property
+    def key_code_bytes(self) -> int:
+        return affine_code_bytes(self.dim, self.key_bits, self.group_size, "token")
+
+    @property
+    def value_code_bytes(self) -> int:
+        return affine_code_bytes(self.dim, self.value_bits, self.group_size, "token")
+
+    @property
+    def value_offset(self) -> int:
+        return self.key_code_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.key_code_bytes + self.value_code_bytes
+
+
+# ----------------------------------------------------------------------------- lookups (inline PTX)
+
+# Each block: $0..$3 fp16 pairs of eight consecutive tile positions, $4 the sum of their squares as
+# an fp16 pair; inputs: the packed word, then four table registers.
+_LOOKUP4 = tl.constexpr("""{
+.reg .b32 t, m, mh, s, sl, sh, l0, h0, l1, h1;
+shr.b32 t, $5, 3;
+and.b32 t, t, 0x11111111;
+mul.lo.u32 t, t, 7;
+xor.b32 m, $5, t;
+not.b32 m, m;
+and.b32 m, m, 0x77777777;
+shr.b32 mh, m, 16;
+prmt.b32 l0, $6, $7, m;
+prmt.b32 h0, $8, $9, m;
+prmt.b32 l1, $6, $7, mh;
+prmt.b32 h1, $8, $9, mh;
+shl.b32 s, $5, 4;
+prmt.b32 sl, s, $5, 0xD9C8;
+prmt.b32 sh, s, $5, 0xFBEA;
+not.b32 sl, sl;
+and.b32 sl, sl, 0x80808080;
+or.b32 h0, h0, sl;
+not.b32 sh, sh;
+and.b32 sh, sh, 0x80808080;
+or.b32 h1, h1, sh;
+prmt.b32 $0, l0, h0, 0x5140;
+prmt.b32 $1, l0, h0, 0x7362;
+prmt.b32 $2, l1, h1, 0x5140;
+prmt.b32 $3, l1, h1, 0x7362;
+mul.rn.f16x2 $4, $0, $0;
+fma.rn.f16x2 $4, $1, $1, $4;
+fma.rn.f16x2 $4, $2, $2, $4;
+fma.rn.f16x2 $4, $3, $3, $4;
+}""")
+
+_LOOKUP3 = tl.constexpr("""{
+.reg .b32 a, b, x, xh, l0, h0, l1, h1;
+and.b32 a, $5, 0xFFF;
+shl.b32 b, $5, 4;
+and.b32 b, b, 0x0FFF0000;
+or.b32 x, a, b;
+and.b32 a, x, 0x003F003F;
+shl.b32 b, x, 2;
+and.b32 b, b, 0x3F003F00;
+or.b32 x, a, b;
+and.b32 a, x, 0x07070707;
+shl.b32 b, x, 1;
+and.b32 b, b, 0x70707070;
+or.b32 x, a, b;
+shr.b32 xh, x, 16;
+prmt.b32 l0, $6, $7, x;
+prmt.b32 h0, $8, $9, x;
+prmt.b32 l1, $6, $7, xh;
+prmt.b32 h1, $8, $9, xh;
+prmt.b32 $0, l0, h0, 0x5140;
+prmt.b32 $1, l0, h0, 0x7362;
+prmt.b32 $2, l1, h1, 0x5140;
+prmt.b32 $3, l1, h1, 0x7362;
+mul.rn.f16x2 $4, $0, $0;
+fma.rn.f16x2 $4, $1, $1, $4;
+fma.rn.f16x2 $4, $2, $2, $4;
+fma.rn.f16x2 $4, $3, $3, $4;
+}""")
+
+# 2 bit: $0..$7 fp16 pairs, $8 the sum of squares of all 16; inputs: the word, two table registers
+_LOOKUP2 = tl.constexpr("""{
+.reg .b32 x, y;
+and.b32 x, $9, 0x03030303;
+mad.lo.u32 y, x, 0x22, 0x10101010;
+prmt.b32 $0, $10, $11, y;
+shr.b32 y, y, 16;
+prmt.b32 $4, $10, $11, y;
+shr.b32 x, $9, 2;
+and.b32 x, x, 0x03030303;
+mad.lo.u32 y, x, 0x22, 0x10101010;
+prmt.b32 $1, $10, $11, y;
+shr.b32 y, y, 16;
+prmt.b32 $5, $10, $11, y;
+shr.b32 x, $9, 4;
+and.b32 x, x, 0x03030303;
+mad.lo.u32 y, x, 0x22, 0x10101010;
+prmt.b32 $2, $10, $11, y;
+shr.b32 y, y, 16;
+prmt.b32 $6, $10, $11, y;
+shr.b32 x, $9, 6;
+and.b32 x, x, 0x03030303;
+mad.lo.u32 y, x, 0x22, 0x10101010;
+prmt.b32 $3, $10, $11, y;
+shr.b32 y, y, 16;
+prmt.b32 $7, $10, $11, y;
+mul.rn.f16x2 $8, $0, $0;
+fma.rn.f16x2 $8, $1, $1, $8;
+fma.rn.f16x2 $8, $2, $2, $8;
+fma.rn.f16x2 $8, $3, $3, $8;
+fma.rn.f16x2 $8, $4, $4, $8;
+fma.rn.f16x2 $8, $5, $5, $8;
+fma.rn.f16x2 $8, $6, $6, $8;
+fma.rn.f16x2 $8, $7, $7, $8;
+}""")
+
+
+@triton.jit
+def _halves(x):
+    """int32 holding an fp16 pair -> (low fp16, high fp16)."""
+    return tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(tl.float16, tl.float16),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _join_all(xs, LEVELS: tl.constexpr):
+    """Tuple of ``2**LEVELS`` same-shape tensors -> one tensor ``[..., 2, ..., 2]`` whose flattened
+    trailing axes index the tuple in order (join ``x_i`` with ``x_{i + n/2}`` at each level)."""
+    for _ in tl.static_range(LEVELS):
+        ys = ()
+        for i in tl.static_range(len(xs) // 2):
+            ys = ys + (tl.join(xs[i], xs[i + len(xs) // 2]),)
+        xs = ys
+    return xs[0]
+
+
+@triton.jit
+def _pairs_to_tile(words, energies, BN: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexpr):
+    """Tuple of int32 ``[BN, W]`` fp16-pair words (in tile order) -> fp16 tile ``[BN, D]`` and the fp32
+    sum of squares of each row (from the asm blocks' fp16-pair energies)."""
+    b_lo, b_hi = _halves(_join_all(words, LEVELS))
+    b_tile = tl.reshape(tl.join(b_lo, b_hi), [BN, D])
+    b_e = tl.zeros([BN], dtype=tl.float32)
+    for i in tl.static_range(len(energies)):
+        e_lo, e_hi = _halves(energies[i])
+        b_e += tl.sum(e_lo.to(tl.float32) + e_hi.to(tl.float32), axis=1)
+    return b_tile, b_e
+
+
+@triton.jit
+def _load_words(cache_ptr, o_base, o_w, m_n, ALIGN4: tl.constexpr):
+    """uint32 words ``[BN, W]``: word ``o_w`` of the code starting at byte ``o_base`` of each row."""
+    o_b = o_base[:, None] + 4 * o_w[None, :]
+    if ALIGN4:
+        return tl.load((cache_ptr + o_b).to(tl.pointer_type(tl.uint32)), mask=m_n[:, None], other=0)
+    p = (cache_ptr + o_b).to(tl.pointer_type(tl.uint16))  # 2-byte aligned: two halves per word
+    b_lo = tl.load(p, mask=m_n[:, None], other=0).to(tl.uint32)
+    b_hi = tl.load(p + 1, mask=m_n[:, None], other=0).to(tl.uint32)
+    return b_lo | (b_hi << 16)
+
+
+@triton.jit
+def _mse_tile_fast(cache_ptr, o_base, m_n, t0, t1, t2, t3,
+                   BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ALIGN4: tl.constexpr):
+    """Centroid tile ``[BN, D]`` fp16 (tile order) and each row's energy ``sum c^2`` (fp32), by ``prmt``."""
+    if BITS == 4:
+        b_w = _load_words(cache_ptr, o_base, tl.arange(0, D // 8), m_n, ALIGN4)  # [BN, D/8]
+        o0, o1, o2, o3, e = tl.inline_asm_elementwise(
+            _LOOKUP4, "=r,=r,=r,=r,=r,r,r,r,r,r", [b_w, t0, t1, t2, t3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        return _pairs_to_tile((o0, o1, o2, o3), (e,), BN, D, 2)
+    elif BITS == 2:
+        b_w = _load_words(cache_ptr, o_base, tl.arange(0, D // 16), m_n, ALIGN4)  # [BN, D/16]
+        o0, o1, o2, o3, o4, o5, o6, o7, e = tl.inline_asm_elementwise(
+            _LOOKUP2, "=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b_w, t0, t1],
+            dtype=(tl.int32,) * 9, is_pure=True, pack=1)
+        return _pairs_to_tile((o0, o1, o2, o3, o4, o5, o6, o7), (e,), BN, D, 3)
+    else:
+        # 3 bit: three words hold four 24-bit groups of 8 indices
+        o_t = tl.arange(0, D // 32)
+        b_w0 = _load_words(cache_ptr, o_base, 3 * o_t, m_n, ALIGN4)  # [BN, D/32]
+        b_w1 = _load_words(cache_ptr, o_base, 3 * o_t + 1, m_n, ALIGN4)
+        b_w2 = _load_words(cache_ptr, o_base, 3 * o_t + 2, m_n, ALIGN4)
+        groups = (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
+        words = ()
+        energies = ()
+        for g in tl.static_range(4):
+            o0, o1, o2, o3, e = tl.inline_asm_elementwise(
+                _LOOKUP3, "=r,=r,=r,=r,=r,r,r,r,r,r", [groups[g], t0, t1, t2, t3],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            words = words + (o0, o1, o2, o3)
+            energies = energies + (e,)
+        return _pairs_to_tile(words, energies, BN, D, 4)
+
+
+@triton.jit
+def _tile_coordinate(D: tl.constexpr, BITS: tl.constexpr):
+    """The coordinate each tile position holds (``tile_order``), ``[D]``."""
+    o_p = tl.arange(0, D)
+    if BITS == 2:
+        return (o_p // 16) * 16 + (o_p % 8) // 2 + 4 * (o_p % 2) + 8 * ((o_p % 16) // 8)
+    else:
+        return o_p
+
+
+@triton.jit
+def _mse_tile_generic(cache_ptr, o_base, m_n, cent_ptr,
+                      BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """As ``_mse_tile_fast``, index by index: shifts, then a gather from the centroid table."""
+    o_j = _tile_coordinate(D, BITS)
+    o_bit = o_j * BITS
+    p = cache_ptr + o_base[:, None] + (o_bit // 8)[None, :]
+    m_hi = m_n[:, None] & ((o_bit // 8 + 1) < (D * BITS // 8))[None, :]
+    b_b = tl.load(p, mask=m_n[:, None], other=0).to(tl.int32) | (tl.load(p + 1, mask=m_hi, other=0).to(tl.int32) << 8)
+    b_i = (b_b >> (o_bit % 8)[None, :]) & ((1 << BITS) - 1)
+    b_c = tl.load(cent_ptr + b_i).to(tl.float16)  # [BN, D]
+    b_cf = b_c.to(tl.float32)
+    return b_c, tl.sum(b_cf * b_cf, axis=1)
+
+
+@triton.jit
+def _affine_tile(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """Dequantized tile ``n s + z`` ``[BN, D]`` fp16 (natural order) of token-axis affine codes."""
+    PER: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = D // GROUP
+    b_w = _load_words(cache_ptr, o_base, tl.arange(0, D // PER), m_n, True)  # [BN, D/PER]
+    o_k = tl.arange(0, PER) * BITS
+    b_n = (b_w[:, :, None] >> o_k[None, None, :].to(tl.uint32)) & ((1 << BITS) - 1)
+    # index -> fp32 without a conversion instruction: 2**23 + n has n in its low mantissa bits
+    b_n = tl.reshape(b_n | 0x4B000000, [BN, D]).to(tl.float32, bitcast=True) - 8388608.0
+    o_g = tl.arange(0, NG)
+    p_s = (cache_ptr + o_base[:, None] + D * BITS // 8 + 2 * o_g[None, :]).to(tl.pointer_type(tl.uint16))
+    b_s = tl.load(p_s, mask=m_n[:, None], other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, NG]
+    b_z = tl.load(p_s + NG, mask=m_n[:, None], other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], [BN, NG, GROUP]), [BN, D])
+    b_z = tl.reshape(tl.broadcast_to(b_z[:, :, None], [BN, NG, GROUP]), [BN, D])
+    return (b_n * b_s + b_z).to(tl.float16)
+
+
+@triton.jit
+def _load_norm(cache_ptr, o_at, m_n):
+    """fp16 norm at byte ``o_at`` (2-byte aligned) of each row, as fp32 ``[BN]``; 0 where masked."""
+    b = tl.load((cache_ptr + o_at).to(tl.pointer_type(tl.uint16)), mask=m_n, other=0)
+    return b.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _attend_tile(
+    cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
+    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
+    o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, AFFINE: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
+    KEY_NORM_OFFSET: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_NORM_OFFSET: tl.constexpr,
+    VALUE_ALIGN4: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+):
+    """One step of the split loop: keys ``o_n`` ([BLOCK_N] positions, valid below ``end``) update the
+    running maximum ``b_m``, sum ``b_l`` and output ``b_acc`` of the query group ``b_q``."""
+    m_n = o_n < end
+    b_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
+    o_slot = b_blk * stride_block + (o_n % BLOCK_SIZE) * stride_pos + i_h * stride_head  # [BN] int64
+
+    # ---- scores
+    if AFFINE:
+        b_k = _affine_tile(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
+        b_s = tl.dot(b_q, tl.trans(b_k))  # [BG, BN]
+    else:
+        if FAST:
+            b_k, b_ke = _mse_tile_fast(cache_ptr, o_slot, m_n, tk0, tk1, tk2, tk3, BLOCK_N, D, BITS_K, True)
+        else:
+            b_k, b_ke = _mse_tile_generic(cache_ptr, o_slot, m_n, key_cent_ptr, BLOCK_N, D, BITS_K)
+        b_kn = _load_norm(cache_ptr, o_slot + KEY_NORM_OFFSET, m_n)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * (b_kn * tl.math.rsqrt(tl.maximum(b_ke, 1e-24)))[None, :]
+    b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+
+    # ---- online softmax (base 2: log2(e) is folded into q)
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    b_alpha = tl.math.exp2(b_m - b_m_new)
+    b_p = tl.math.exp2(b_s - b_m_new[:, None])  # [BG, BN]
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_m = b_m_new
+
+    # ---- values: the norm factor rides on the weight
+    if AFFINE:
+        b_v = _affine_tile(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
+        b_pv = b_p
+    else:
+        if FAST:
+            b_v, b_ve = _mse_tile_fast(cache_ptr, o_slot + VALUE_OFFSET, m_n, tv0, tv1, tv2, tv3,
+                                       BLOCK_N, D, BITS_V, VALUE_ALIGN4)
+        else:
+            b_v, b_ve = _mse_tile_generic(cache_ptr, o_slot + VALUE_OFFSET, m_n, value_cent_ptr, BLOCK_N, D, BITS_V)
+        b_vn = _load_norm(cache_ptr, o_slot + VALUE_NORM_OFFSET, m_n)
+        b_pv = b_p * (b_vn * tl.math.rsqrt(tl.maximum(b_ve, 1e-24)))[None, :]
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_pv.to(tl.float16), b_v)
+
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    # pointers
+    q_ptr,  # fp16 [batch, HQ, D]: rotated, in the key tile order, times scale * log2(e)
+    cache_ptr,  # uint8 [num_blocks, block_size, HKV, slot_bytes], last dim contiguous
+    block_table_ptr,  # int32 [batch, max_blocks]
+    seq_lens_ptr,  # int32/int64 [batch]
+    key_cent_ptr,  # fp32 [2**BITS_K]: key centroids (generic MSE path)
+    value_cent_ptr,  # fp32 [2**BITS_V]
+    o_part_ptr,  # fp32 [batch, HQ, num_splits, D]: unnormalised partial outputs (value tile order)
+    ml_part_ptr,  # fp32 [batch, HQ, num_splits, 2]: running maximum (base 2) and sum
+    # byte-plane tables of the fp16 centroids (fast MSE path)
+    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
+    # sizes and strides
+    split_len,  # keys per split, a multiple of BLOCK_N
+    num_splits,
+    stride_bt,
+    stride_block,
+    stride_pos,
+    stride_head,
+    # settings
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (compile-time: position -> block is a shift)
+    D: tl.constexpr,
+    AFFINE: tl.constexpr,
+    BITS_K: tl.constexpr,
+    BITS_V: tl.constexpr,
+    GROUP: tl.constexpr,  # affine group size
+    KEY_NORM_OFFSET: tl.constexpr,  # MSE: byte of the key norm in a slot
+    VALUE_OFFSET: tl.constexpr,  # byte of the value code in a slot
+    VALUE_NORM_OFFSET: tl.constexpr,  # MSE: byte of the value norm
+    VALUE_ALIGN4: tl.constexpr,  # the value code starts 4-byte aligned
+    BLOCK_G: tl.constexpr,  # query rows per program: the group, padded to 16
+    BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    SPLIT_STEPS: tl.constexpr,  # interpreter only: split_len // BLOCK_N
+):
+    G: tl.constexpr = HQ // HKV
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    seq_len = tl.load(seq_lens_ptr + i_b).to(tl.int32)  # positions are int32, addresses int64
+    start = i_s.to(tl.int32) * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, D)
+    m_g = o_g < G
+    o_q = (i_b * HQ + i_h * G + o_g).to(tl.int64)  # [BG] query rows of this KV head
+    b_q = tl.load(q_ptr + o_q[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.0)  # [BG, D] fp16
+
+    b_m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    o_nb = tl.arange(0, BLOCK_N)
+    if INTERPRETED:  # the interpreter needs a trip count it can read: steps past the end do nothing
+        for it in range(0, SPLIT_STEPS):
+            n0 = start + it * BLOCK_N
+            if n0 < end:
+                b_m, b_l, b_acc = _attend_tile(
+                    cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
+                    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
+                    n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                    BLOCK_SIZE, D, AFFINE, BITS_K, BITS_V, GROUP, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
+                    VALUE_ALIGN4, BLOCK_N, FAST)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            b_m, b_l, b_acc = _attend_tile(
+                cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
+                tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
+                n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                BLOCK_SIZE, D, AFFINE, BITS_K, BITS_V, GROUP, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
+                VALUE_ALIGN4, BLOCK_N, FAST)
+
+    o_part = (o_q * num_splits + i_s)  # [BG]
+    tl.store(o_part_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None])
+    tl.store(ml_part_ptr + o_part * 2, b_m, mask=m_g)
+    tl.store(ml_part_ptr + o_part * 2 + 1, b_l, mask=m_g)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    o_part_ptr,  # fp32 [rows, num_splits, D]
+    ml_part_ptr,  # fp32 [rows, num_splits, 2]
+    coord_ptr,  # int32 [D]: the coordinate each tile position holds
+    out_ptr,  # fp32 [rows, D]: rotated output, natural coordinate order
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Log-sum-exp merge of the splits of one query row: ``sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s``."""
+    i_r = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, D)
+    m_s = o_s < num_splits
+    b_m = tl.load(ml_part_ptr + (i_r * num_splits + o_s) * 2, mask=m_s, other=float("-inf"))
+    b_l = tl.load(ml_part_ptr + (i_r * num_splits + o_s) * 2 + 1, mask=m_s, other=0.0)
+    b_w = tl.math.exp2(b_m - tl.max(b_m, axis=0))  # [BS]; 0 for padding and for splits without keys
+    b_o = tl.load(o_part_ptr + ((i_r * num_splits + o_s) * D)[:, None] + o_d[None, :], mask=m_s[:, None], other=0.0)
+    b_out = tl.sum(b_o * b_w[:, None], axis=0) / tl.sum(b_l * b_w, axis=0)  # [D]
+    o_c = tl.load(coord_ptr + o_d)
+    tl.store(out_ptr + i_r * D + o_c, b_out)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def tile_order(bits: int, dim: int) -> torch.Tensor:
+    """int64 ``[dim]``: the coordinate held by each position of an MSE tile of ``bits``-bit codes."""
+    p = torch.arange(dim)
+    if bits == 2:
+        return (p // 16) * 16 + (p % 8) // 2 + 4 * (p % 2) + 8 * ((p % 16) // 8)
+    return p
+
+
+_TABLES = weakref.WeakKeyDictionary()  # codec -> {key: (source, table)}
+
+
+def _cached(codec, key, source, build):
+    try:
+        per_codec = _TABLES.setdefault(codec, {})
+    except TypeError:  # not weak-referenceable
+        per_codec = {}
+    hit = per_codec.get(key)
+    if hit is not None and hit[0] is source:
+        return hit[1]
+    table = build(source)
+    per_codec[key] = (source, table)
+    return table
+
+
+def _signed32(v: int) -> int:
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _byte_planes(c16: list[int]) -> tuple[int, int, int, int]:
+    """fp16 bit patterns of up to 8 entries -> (low bytes 0-3, low bytes 4-7, high bytes 0-3, high bytes 4-7)."""
+    c16 = c16 + [0] * (8 - len(c16))
+    lo = [v & 0xFF for v in c16]
+    hi = [v >> 8 for v in c16]
+    word = lambda b: _signed32(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)  # noqa: E731
+    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+def _prmt_tables(codec):
+    """The four int32 table registers of the fast lookup, or None when the fp16 codebook does not fit it."""
+    def build(centroids):
+        c = centroids.detach().to("cpu", torch.float32).to(torch.float16)
+        bits16 = [int(v) & 0xFFFF for v in c.view(torch.int16)]
+        if codec.bits == 4:  # magnitudes c[8..15]; needs a symmetric codebook with positive upper half
+            if not (torch.equal(c, -c.flip(0)) and bool((c[8:] > 0).all())):
+                return None
+            return _byte_planes(bits16[8:])
+        if codec.bits == 3:
+            return _byte_planes(bits16)
+        return (_signed32(bits16[0] | bits16[1] << 16), _signed32(bits16[2] | bits16[3] << 16), 0, 0)
+
+    return _cached(codec, ("prmt",), codec.centroids, build)
+
+
+def _device_table(codec, name, device, build):
+    source = getattr(codec, name)
+    return _cached(codec, (name, device), source, lambda s: build(s).to(device))
+
+
+def _is_mse(codec) -> bool:
+    return all(hasattr(codec, a) for a in ("rotation", "centroids", "norm_correction", "bits", "dim"))
+
+
+def _is_affine(codec) -> bool:
+    return all(hasattr(codec, a) for a in ("bits", "group_size", "axis")) and not hasattr(codec, "centroids")
+
+
+def _check_codecs(key_codec, value_codec, dim: int) -> str:
+    """``"mse"`` or ``"affine"``; raises for anything else or for a mix."""
+    kinds = []
+    for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
+        if _is_mse(codec):
+            C.check_int(f"{name}.bits", codec.bits, MSE_BITS)
+            if not codec.norm_correction:
+                raise ValueError(f"{name} must use norm_correction=True (the kernel folds 1/|c| into each token)")
+            if tuple(codec.centroids.shape) != (1 << codec.bits,) or tuple(codec.rotation.shape) != (codec.dim, codec.dim):
+                raise ValueError(f"{name} has centroids/rotation of the wrong shape for bits={codec.bits}, dim={codec.dim}")
+            kinds.append("mse")
+        elif _is_affine(codec):
+            C.check_int(f"{name}.bits", codec.bits, AFFINE_BITS)
+            if codec.axis != "token":
+                raise ValueError(f"{name}.axis must be 'token' (per-token keys and values), got {codec.axis!r}")
+            gs = codec.group_size
+            if gs < 16 or gs & (gs - 1) or dim % gs:
+                raise ValueError(f"{name}.group_size must be a power of two >= 16 dividing dim={dim}, got {gs}")
+            kinds.append("affine")
+        else:
+            raise TypeError(f"{name} must be a kvlab.MSECodec or kvlab.AffineCodec, got {type(codec).__name__}")
+        if _is_mse(codec) and codec.dim != dim:
+            raise ValueError(f"{name}.dim ({codec.dim}) must equal q's last dimension ({dim})")
+    if kinds[0] != kinds[1]:
+        raise TypeError("key_codec and value_codec must be the same kind of codec (both MSE or both affine), "
+                        f"got {type(key_codec).__name__} and {type(value_codec).__name__}")
+    if kinds[0] == "affine" and key_codec.group_size != value_codec.group_size:
+        raise ValueError(f"key_codec and value_codec must share group_size, got {key_codec.group_size} and {value_codec.group_size}")
+    return kinds[0]
+
+
+def _slot_layout(kind, dim, key_codec, value_codec):
+    if kind == "mse":
+        return MSESlot(dim, key_codec.bits, value_codec.bits)
+    return AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
+
+
+def _check_paged_inputs(q, cache, block_table, seq_lens, layout, check: bool):
+    """Shapes, dtypes, devices (always) and block_table / seq_lens values (``check``: one host sync)."""
+    C.check_tensor("cache", cache, (torch.uint8,))
+    if cache.dim() != 4 or cache.shape[-1] != layout.slot_bytes:
+        raise ValueError(f"cache must have shape [num_blocks, block_size, num_kv_heads, {layout.slot_bytes}] "
+                         f"for {layout}, got {tuple(cache.shape)}")
+    if cache.stride(-1) != 1:
+        raise ValueError(f"cache must be contiguous in its last (byte) dimension, got strides {cache.stride()}")
+    if cache.data_ptr() % 4 or any(s % 4 for s in cache.stride()[:3]):
+        raise ValueError("cache must be 4-byte aligned: its address and its block, position and head strides "
+                         f"must be multiples of 4 bytes, got strides {cache.stride()}")
+    num_blocks, block_size, num_kv_heads, _ = cache.shape
+    batch, num_q_heads = q.shape[0], q.shape[-2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q's number of heads ({num_q_heads}) must be a multiple of the cache's num_kv_heads "
+                         f"({num_kv_heads}) (grouped-query attention)")
+    if num_q_heads // num_kv_heads > 64:
+        raise ValueError(f"at most 64 query heads per KV head are supported, got {num_q_heads // num_kv_heads}")
+    C.check_tensor("block_table", block_table, (torch.int32,))
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have shape [batch={batch}, max_blocks >= 1], got {tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must be contiguous in its last dimension")
+    C.check_tensor("seq_lens", seq_lens, (torch.int32, torch.int64))
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must have shape ({batch},) (one length per sequence), got {tuple(seq_lens.shape)}")
+    C.check_same_device(q=q, cache=cache, block_table=block_table, seq_lens=seq_lens)
+    capacity = block_table.shape[1] * block_size
+    if check and batch:
+        if bool((seq_lens < 1).any()):
+            raise ValueError("seq_lens must be >= 1 (every sequence attends over at least one cached token)")
+        if bool((seq_lens > capacity).any()):
+            raise ValueError(f"seq_lens must be <= max_blocks * block_size = {capacity} (the block table's capacity), "
+                             f"got max {int(seq_lens.max())}")
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < seq_lens[:, None]
+        bad = used & ((block_table < 0) | (block_table >= num_blocks))
+        if bool(bad.any()):
+            raise ValueError(f"block_table entries of used blocks must be in [0, {num_blocks}) (num_blocks of the cache)")
+    return num_blocks, block_size, num_kv_heads, capacity
+
+
+def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
+    """Rotated-space attention output ``[..., dim]`` -> model space: ``output @ R_V^T`` in fp32, one GEMM.
+
+    The only inverse rotation of the decode path; returns fp32 (cast as needed).
+    """
+    C.check_tensor("output", output, C.FLOAT_DTYPES, ndim_min=1)
+    if not _is_mse(value_codec):
+        raise TypeError(f"value_codec must be a kvlab.MSECodec, got {type(value_codec).__name__}")
+    if output.shape[-1] != value_codec.dim:
+        raise ValueError(f"output's last dimension ({output.shape[-1]}) must equal value_codec.dim ({value_codec.dim})")
+    rot = _device_table(value_codec, "rotation", output.device, lambda r: r.to(torch.float32).contiguous())
+    shape = output.shape
+    return (output.reshape(-1, shape[-1]).float() @ rot.T).reshape(shape)
+
+
+def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, batch * num_kv_heads))
+    return max(1, min(want, triton.cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_codec,
+    value_codec,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    fast: bool | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged quantized cache: ``[batch, num_q_heads, dim]``.
+
+    ``q``: fp16/bf16 ``[batch, num_q_heads, dim]`` (dim 64, 128 or 256), ``num_q_heads`` a multiple of
+    the cache's ``num_kv_heads``. ``cache``: the paged MSE cache of ``kvlab.layout`` (``MSECodec``
+    key and value codecs, 2/3/4 bits, norm correction on) or the paged affine cache of ``AffineSlot``
+    (``AffineCodec`` key and value codecs, token axis, 4/8 bits). ``block_table`` int32 ``[batch,
+    max_blocks]``, ``seq_lens`` int32/int64 ``[batch]`` (1 .. ``max_blocks * block_size``).
+    ``scale``: softmax scale (default ``dim ** -0.5``). Returns ``q.dtype``.
+
+    ``num_splits`` (default: about 16 programs per SM, splits of at least 256 keys), ``block_n`` (keys
+    per step, a power of two 16..256), ``num_warps`` and ``num_stages`` tune the launch; ``fast``
+    (default: on when compiled for a GPU) picks the ``prmt`` lookup over the generic unpack.
+    ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
+    ``check=False`` never syncs and reads whatever blocks the table names.
+    """
+    C.check_tensor("q", q, (torch.float16, torch.bfloat16))
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape [batch, num_q_heads, dim], got {tuple(q.shape)}")
+    batch, num_q_heads, dim = q.shape
+    if dim not in DIMS:
+        raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
+    kind = _check_codecs(key_codec, value_codec, dim)
+    layout = _slot_layout(kind, dim, key_codec, value_codec)
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, check)
+    if scale is None:
+        scale = dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    C.check_int("block_n", block_n, (16, 32, 64, 128, 256))
+    C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16))
+    if num_stages is not None:
+        C.check_int("num_stages", num_stages, minimum=1)
+    if num_splits is None:
+        num_splits = _default_splits(batch, num_kv_heads, capacity, block_n, q.device)
+    C.check_int("num_splits", num_splits, minimum=1)
+    interpreted = q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if fast is None:
+        fast = not interpreted
+    if not isinstance(fast, bool):
+        raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
+    if fast and interpreted:
+        raise ValueError("fast=True needs a CUDA device (inline PTX); use fast=False or None on the CPU")
+
+    device = q.device
+    G = num_q_heads // num_kv_heads
+    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(capacity, split_len)  # no empty trailing splits
+    tables_k = tables_v = (0, 0, 0, 0)
+    if kind == "mse":
+        if fast:
+            tables_k, tables_v = _prmt_tables(key_codec), _prmt_tables(value_codec)
+            if tables_k is None or tables_v is None:
+                raise ValueError("fast=True needs a symmetric fp16 codebook for 4-bit codecs; use fast=False")
+        # the rotation with its columns in the key tile order: q R[:, order] is the permuted rotated query
+        rot_k = _cached(key_codec, ("rotation_tile_order", device), key_codec.rotation,
+                        lambda r: r.to(device=device, dtype=torch.float32)[:, tile_order(key_codec.bits, dim).to(device)].contiguous())
+        order_v = _cached(value_codec, ("tile_order", device), value_codec.centroids,
+                          lambda _: tile_order(value_codec.bits, dim).to(device=device, dtype=torch.int32))
+        q_in = q.float() @ rot_k
+        cent_k = _device_table(key_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
+        cent_v = _device_table(value_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
+        offsets = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
+                       VALUE_NORM_OFFSET=layout.value_norm_offset, VALUE_ALIGN4=layout.value_offset % 4 == 0, GROUP=16)
+    else:
+        fast = False
+        q_in = q.float()
+        order_v = _cached(key_codec, ("natural_order", device, dim), key_codec.bits,
+                          lambda _: torch.arange(dim, dtype=torch.int32, device=device))
+        cent_k = cent_v = order_v  # unused
+        offsets = dict(KEY_NORM_OFFSET=0, VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=0,
+                       VALUE_ALIGN4=True, GROUP=key_codec.group_size)
+    q_in = (q_in * (scale * LOG2E)).to(torch.float16).contiguous()
+
+    o_part = torch.empty(batch, num_q_heads, num_splits, dim, dtype=torch.float32, device=device)
+    ml_part = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
+    out = torch.empty(batch, num_q_heads, dim, dtype=torch.float32, device=device)
+    if batch == 0:
+        return out.to(q.dtype)
+    extra = {} if num_stages is None else dict(num_stages=num_stages)
+    with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+        _decode_split_kernel[(batch * num_kv_heads, num_splits)](
+            q_in, cache, block_table, seq_lens, cent_k, cent_v, o_part, ml_part,
+            *tables_k, *tables_v,
+            split_len, num_splits,
+            block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
+            HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=block_size, D=dim, AFFINE=kind == "affine",
+            BITS_K=key_codec.bits, BITS_V=value_codec.bits, **offsets,
+            BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, INTERPRETED=interpreted,
+            SPLIT_STEPS=split_len // block_n if interpreted else 0,
+            num_warps=num_warps, **extra,
+        )  # fmt: skip
+        _merge_splits_kernel[(batch * num_q_heads,)](
+            o_part, ml_part, order_v, out, num_splits,
+            D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        )  # fmt: skip
+    if kind == "mse":
+        out = rotate_attention_output(out, value_codec)
+    return out.to(q.dtype)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------- affine store, prefill
+
+
+def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, *, check: bool = True) -> None:
+    """Encode ``key``/``value`` ``[num_tokens, num_kv_heads, dim]`` into the paged affine cache (in place).
+
+    The bytes equal ``kvlab.reference.write_affine_slots``: ``pack_affine`` codes (token axis), then one
+    indexed copy into the slots of ``slot_mapping`` (``-1``: skipped).
+    """
+    for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
+        if not _is_affine(codec):
+            raise TypeError(f"{name} must be a kvlab.AffineCodec, got {type(codec).__name__}")
+    C.check_tensor("key", key, C.FLOAT_DTYPES)
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, dim], got {tuple(key.shape)} and {tuple(value.shape)}")
+    dim = key.shape[-1]
+    _check_codecs(key_codec, value_codec, dim)
+    layout = AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
+    C.check_tensor("cache", cache, (torch.uint8,))
+    if cache.dim() != 4 or cache.shape[2:] != (key.shape[1], layout.slot_bytes):
+        raise ValueError(f"cache must have shape [num_blocks, block_size, {key.shape[1]}, {layout.slot_bytes}] for {layout}, "
+                         f"got {tuple(cache.shape)}")
+    num_slots = cache.shape[0] * cache.shape[1]
+    C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
+    if check:
+        C.check_slot_mapping(slot_mapping, key.shape[0], num_slots, cache.device)
+    codes = torch.cat([pack_affine(key, key_codec.bits, key_codec.group_size, "token", check=check),
+                       pack_affine(value, value_codec.bits, value_codec.group_size, "token", check=check)], -1)
+    keep = slot_mapping >= 0
+    cache.view(num_slots, key.shape[1], layout.slot_bytes)[slot_mapping[keep].long()] = codes[keep]
+
+
+def _slot_mapping(block_table, seq_lens, block_size: int, length: int) -> torch.Tensor:
+    """``[batch, length]`` slots of positions ``0 .. length - 1`` (-1 past each sequence's end)."""
+    t = torch.arange(length, device=block_table.device)
+    blocks = block_table.long().gather(1, (t // block_size).expand(block_table.shape[0], -1))
+    slots = blocks * block_size + t % block_size
+    return torch.where(t[None, :] < seq_lens[:, None], slots, -1)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_codec,
+    value_codec,
+    *,
+    scale: float | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Continuation prefill: ``q`` ``[batch, q_len, num_q_heads, dim]`` are the last ``q_len`` tokens of
+    each sequence (already in the cache); causal attention over the whole cached context.
+
+    Materialises model-space K/V of all ``max(seq_lens)`` positions (MSE: ``load_mse(space="model")``,
+    the inverse rotation as one batched GEMM; affine: ``unpack_affine``) and runs torch SDPA with a
+    causal, length-masked boolean mask. Returns ``q.dtype`` ``[batch, q_len, num_q_heads, dim]``.
+    """
+    C.check_tensor("q", q, (torch.float16, torch.bfloat16))
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [batch, q_len, num_q_heads, dim], got {tuple(q.shape)}")
+    batch, q_len, num_q_heads, dim = q.shape
+    if dim not in DIMS:
+        raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
+    kind = _check_codecs(key_codec, value_codec, dim)
+    layout = _slot_layout(kind, dim, key_codec, value_codec)
+    num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, True)
+    if bool((seq_lens < q_len).any()):
+        raise ValueError(f"seq_lens must be >= q_len ({q_len}): the new tokens are the last ones of each cached sequence")
+    if scale is None:
+        scale = dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    length = int(seq_lens.max())
+    slots = _slot_mapping(block_table, seq_lens, block_size, length).reshape(-1)
+    if kind == "mse":
+        k = load_mse(cache, slots, key_codec, part="key", space="model", out_dtype=q.dtype)
+        v = load_mse(cache, slots, value_codec, part="value", space="model", out_dtype=q.dtype)
+    else:
+        flat = cache.view(num_blocks * block_size, num_kv_heads, layout.slot_bytes)[slots.clamp_min(0)]
+        gs = key_codec.group_size
+        k = unpack_affine(flat[..., : layout.key_code_bytes].contiguous(), key_codec.bits, gs, "token", dim, q.dtype)
+        v = unpack_affine(flat[..., layout.key_code_bytes:].contiguous(), value_codec.bits, gs, "token", dim, q.dtype)
+    k = k.view(batch, length, num_kv_heads, dim).transpose(1, 2)
+    v = v.view(batch, length, num_kv_heads, dim).transpose(1, 2)
+    t = torch.arange(length, device=q.device)
+    pos = seq_lens[:, None].long() - q_len + torch.arange(q_len, device=q.device)[None, :]  # [batch, q_len]
+    mask = (t[None, None, :] <= pos[:, :, None]) & (t[None, None, :] < seq_lens[:, None, None])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=float(scale), enable_gqa=num_q_heads != num_kv_heads)
+    return out.transpose(1, 2)

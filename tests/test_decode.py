@@ -1,0 +1,258 @@
+"""Fused decode attention (kvlab.decode) against fp32 attention over the dequantized cache (kvlab.reference).
+
+Caches are written by the reference codecs (``write_slots`` / ``write_affine_slots``), physical blocks
+are shuffled, unused block-table entries point far outside the cache, and the output is compared by
+relative error (Frobenius norm over the whole output). On a GPU the kernels are compiled and both the
+``prmt`` lookup (``fast=True``) and the generic unpack run; on the CPU the interpreter runs the generic
+unpack at small sizes.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import kvlab
+from kvlab import reference as ref
+from kvlab.decode import AffineSlot, decode_attention, prefill_attention, rotate_attention_output, store_affine_slots, tile_order
+
+CUDA = torch.cuda.is_available()
+TOL = 1e-2
+UNUSED = 10**6  # block-table entries past a sequence's end: never read
+
+# batch lengths, q heads, kv heads, dim, key bits, value bits, block size, rotation
+MSE_CASES = [
+    ([1], 4, 4, 64, 4, 4, 16, "haar"),  # one cached token, GQA ratio 1
+    ([37, 100, 1], 8, 2, 128, 3, 2, 16, "haar"),  # mixed lengths, not multiples of the block size, ratio 4
+    ([45, 130], 16, 2, 64, 2, 3, 8, "haar"),  # ratio 8
+    ([77], 8, 1, 128, 4, 3, 32, "hadamard"),  # ratio 8, one KV head
+    ([200, 9], 4, 1, 128, 2, 2, 16, "haar"),  # ratio 4
+    ([63, 64, 65], 2, 2, 64, 3, 4, 16, "hadamard"),  # ratio 1, around a block boundary
+]
+MSE_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-k{c[4]}v{c[5]}-bs{c[6]}-{c[7]}" for c in MSE_CASES]
+AFFINE_CASES = [
+    ([33, 70], 8, 2, 128, 4, 4, 16, 32),
+    ([1, 50], 2, 2, 64, 8, 8, 8, 16),
+    ([90], 8, 1, 128, 4, 8, 16, 64),
+]
+AFFINE_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-k{c[4]}v{c[5]}-bs{c[6]}-g{c[7]}" for c in AFFINE_CASES]
+FAST = [False, True] if CUDA else [False]
+
+
+def rel_err(a, b):
+    err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    if err > TOL / 10:
+        print(f"rel_err {err:.3e}, max abs diff {(a.double() - b.double()).abs().max().item():.3e}")
+    return err
+
+
+@functools.lru_cache(maxsize=None)
+def mse_codecs(dim, key_bits, value_bits, rotation):
+    return (kvlab.MSECodec(dim, key_bits, rotation=rotation, seed=3),
+            kvlab.MSECodec(dim, value_bits, rotation=rotation, seed=4))
+
+
+def paged_cache(lens, num_kv_heads, dim, block_size, slot_bytes, write, device, seed=0, spare_blocks=3):
+    """A cache with shuffled physical blocks holding random keys/values of ``lens`` tokens per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = sum(-(-n // block_size) for n in lens) + spare_blocks
+    cache = torch.zeros(num_blocks, block_size, num_kv_heads, slot_bytes, dtype=torch.uint8)
+    physical = torch.randperm(num_blocks, generator=g)
+    block_table = torch.full((len(lens), max_blocks), UNUSED, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // block_size)
+        block_table[b, :nb] = physical[used : used + nb].int()
+        used += nb
+        scale = torch.rand(n, num_kv_heads, 1, generator=g) * 3 + 0.1
+        key = torch.randn(n, num_kv_heads, dim, generator=g) * scale
+        value = torch.randn(n, num_kv_heads, dim, generator=g) * scale.flip(0)
+        t = torch.arange(n)
+        write(cache, block_table[b].long()[t // block_size] * block_size + t % block_size, key, value)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return cache.to(device), block_table.to(device), seq_lens.to(device)
+
+
+def mse_setup(case, device, seed=0):
+    lens, hq, hkv, dim, kb, vb, block_size, rotation = case
+    kc, vc = mse_codecs(dim, kb, vb, rotation)
+    layout = kvlab.MSESlot(dim, kb, vb)
+    write = lambda c, s, k, v: ref.write_slots(c, s, kc.encode(k), vc.encode(v), layout)  # noqa: E731
+    cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device, seed)
+    q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    return q, cache, block_table, seq_lens, kc, vc
+
+
+def affine_setup(case, device, seed=0):
+    lens, hq, hkv, dim, kb, vb, block_size, gs = case
+    kc, vc = kvlab.AffineCodec(kb, gs), kvlab.AffineCodec(vb, gs)
+    layout = AffineSlot(dim, kb, vb, gs)
+    write = lambda c, s, k, v: ref.write_affine_slots(c, s, k, v, kc, vc)  # noqa: E731
+    cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device, seed)
+    q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    return q, cache, block_table, seq_lens, kc, vc
+
+
+@pytest.mark.parametrize("fast", FAST)
+@pytest.mark.parametrize("case", MSE_CASES, ids=MSE_IDS)
+def test_mse_decode_matches_reference(case, fast, device):
+    q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
+    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    assert rel_err(out, expected) <= TOL
+
+
+@pytest.mark.parametrize("case", AFFINE_CASES, ids=AFFINE_IDS)
+def test_affine_decode_matches_reference(case, device):
+    q, cache, block_table, seq_lens, kc, vc = affine_setup(case, device)
+    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=3)
+    assert rel_err(out, expected) <= TOL
+
+
+def test_splits_scale_and_bf16(device):
+    """The split count changes only the summation order; a custom scale and bf16 queries work."""
+    case = MSE_CASES[1]
+    q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device, seed=5)
+    outs = [decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=s, block_n=32).float()
+            for s in (1, 2, 7)]
+    assert rel_err(outs[1], outs[0]) < 2e-3 and rel_err(outs[2], outs[0]) < 2e-3
+    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, scale=0.3)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, scale=0.3)
+    assert rel_err(out, expected) <= TOL
+    expected = ref.decode_attention_reference(q.bfloat16().float(), cache, block_table, seq_lens, kc, vc)
+    out = decode_attention(q.bfloat16(), cache, block_table, seq_lens, kc, vc)
+    assert out.dtype == torch.bfloat16 and rel_err(out, expected) <= 2 * TOL
+
+
+@pytest.mark.skipif(not CUDA, reason="the default split count and launch sizes of the GPU")
+def test_longer_context_default_launch(device):
+    case = ([3000, 1500, 4097], 32, 8, 128, 4, 4, 16, "haar")
+    q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
+    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+    assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
+
+
+def test_rotate_attention_output_is_one_gemm(device):
+    kc, vc = mse_codecs(64, 4, 3, "haar")
+    out = torch.randn(3, 5, 64, device=device)
+    torch.testing.assert_close(rotate_attention_output(out, vc), out @ vc.rotation.to(device).T)
+
+
+def test_tile_order_is_a_permutation():
+    for bits in (2, 3, 4):
+        for dim in (64, 128, 256):
+            assert torch.equal(tile_order(bits, dim).sort().values, torch.arange(dim))
+    assert not torch.equal(tile_order(2, 64), torch.arange(64))
+
+
+@pytest.mark.parametrize("kind", ["mse", "affine"])
+def test_prefill_matches_reference(kind, device):
+    setup = mse_setup if kind == "mse" else affine_setup
+    case = MSE_CASES[1] if kind == "mse" else AFFINE_CASES[0]
+    q, cache, block_table, seq_lens, kc, vc = setup(case, device)
+    q_len = int(seq_lens.min())
+    hq, dim = q.shape[1:]
+    q = torch.randn(q.shape[0], q_len, hq, dim, generator=torch.Generator().manual_seed(9)).to(device).half()
+    expected = ref.prefill_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
+    out = prefill_attention(q, cache, block_table, seq_lens, kc, vc)
+    assert out.shape == q.shape and rel_err(out, expected) <= TOL
+
+
+def test_store_affine_slots_matches_reference(device):
+    kc, vc = kvlab.AffineCodec(4, 32), kvlab.AffineCodec(8, 32)
+    layout = AffineSlot(128, 4, 8, 32)
+    g = torch.Generator().manual_seed(2)
+    key, value = torch.randn(19, 2, 128, generator=g), torch.randn(19, 2, 128, generator=g)
+    slots = torch.randperm(48, generator=g)[:19]
+    slots[3] = -1
+    expected = torch.zeros(3, 16, 2, layout.slot_bytes, dtype=torch.uint8)
+    ref.write_affine_slots(expected, slots, key, value, kc, vc)
+    cache = torch.zeros_like(expected).to(device)
+    store_affine_slots(key.to(device), value.to(device), slots.to(device), cache, kc, vc)
+    assert torch.equal(cache.cpu(), expected)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def good(device):
+    return mse_setup(([20, 5], 4, 2, 64, 4, 4, 8, "haar"), device)
+
+
+def test_bad_inputs(good, device):
+    q, cache, block_table, seq_lens, kc, vc = good
+    q = q.half()
+
+    def call(**kw):
+        args = dict(q=q, cache=cache, block_table=block_table, seq_lens=seq_lens, key_codec=kc, value_codec=vc)
+        args.update(kw)
+        return decode_attention(args.pop("q"), args.pop("cache"), args.pop("block_table"), args.pop("seq_lens"),
+                                args.pop("key_codec"), args.pop("value_codec"), **args)
+
+    with pytest.raises(TypeError, match="q must have dtype"):
+        call(q=q.float())
+    with pytest.raises(ValueError, match=r"q must have shape \[batch, num_q_heads, dim\]"):
+        call(q=q[0])
+    with pytest.raises(ValueError, match="head dim"):
+        call(q=torch.zeros(2, 4, 96, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="key_codec.dim"):
+        call(key_codec=kvlab.MSECodec(128, 4))
+    with pytest.raises(ValueError, match="multiple of the cache's num_kv_heads"):
+        call(q=q[:, :3].contiguous())
+    with pytest.raises(TypeError, match="block_table must have dtype"):
+        call(block_table=block_table.long())
+    with pytest.raises(ValueError, match="block_table must have shape"):
+        call(block_table=block_table[:1])
+    bad = block_table.clone()
+    bad[1, 0] = cache.shape[0]
+    with pytest.raises(ValueError, match="block_table entries of used blocks"):
+        call(block_table=bad)
+    bad[1, 0] = -1
+    with pytest.raises(ValueError, match="block_table entries of used blocks"):
+        call(block_table=bad)
+    with pytest.raises(ValueError, match="seq_lens must be <= max_blocks"):
+        call(seq_lens=seq_lens + 100)
+    with pytest.raises(ValueError, match="seq_lens must be >= 1"):
+        call(seq_lens=seq_lens * 0)
+    with pytest.raises(ValueError, match="seq_lens must have shape"):
+        call(seq_lens=seq_lens[:1])
+    with pytest.raises(TypeError, match="seq_lens must have dtype"):
+        call(seq_lens=seq_lens.float())
+    with pytest.raises(ValueError, match="cache must have shape"):
+        call(cache=cache[..., :-4])
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        call(cache=torch.zeros(cache.numel() + 2, dtype=torch.uint8, device=device)[2:].view(cache.shape))
+    with pytest.raises(ValueError, match="one device"):
+        call(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta"))
+    with pytest.raises(TypeError, match="same kind of codec"):
+        call(value_codec=kvlab.AffineCodec(4, 32))
+    with pytest.raises(TypeError, match="key_codec must be a kvlab.MSECodec or kvlab.AffineCodec"):
+        call(key_codec="mse")
+    with pytest.raises(ValueError, match="key_codec.bits"):
+        call(key_codec=kvlab.AffineCodec(2, 32), value_codec=kvlab.AffineCodec(2, 32))
+    with pytest.raises(ValueError, match="norm_correction"):
+        call(key_codec=kvlab.MSECodec(64, 4, norm_correction=False))
+    with pytest.raises(ValueError, match="scale must be a positive finite float"):
+        call(scale=float("nan"))
+    with pytest.raises(ValueError, match="scale must be a positive finite float"):
+        call(scale=-1.0)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        call(num_splits=0)
+    with pytest.raises(ValueError, match="block_n must be one of"):
+        call(block_n=48)
+    if not CUDA:
+        with pytest.raises(ValueError, match="fast=True needs a CUDA device"):
+            call(fast=True)
+
+
+def test_bad_prefill_inputs(good):
+    q, cache, block_table, seq_lens, kc, vc = good
+    q4 = q.half()[:, None]
+    with pytest.raises(ValueError, match=r"q must have shape \[batch, q_len, num_q_heads, dim\]"):
+        prefill_attention(q.half(), cache, block_table, seq_lens, kc, vc)
+    with pytest.raises(ValueError, match="seq_lens must be >= q_len"):
+        prefill_attention(q4.expand(-1, 6, -1, -1).contiguous(), cache, block_table, seq_lens, kc, vc)
