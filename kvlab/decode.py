@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +91,7 @@ import triton.language as tl
 from . import _checks as C
 from .affine import affine_code_bytes, pack_affine, unpack_affine
 from .layout import NORM_BYTES, MSESlot, packed_bytes
-from .mse import load_mse
+from .mse import _cached, load_mse  # per-codec device tables, rebuilt when the codec's tensors change
 
 __all__ = [
     "AffineSlot",
@@ -539,22 +538,6 @@ def tile_order(bits: int, dim: int) -> torch.Tensor:
     if bits == 2:
         return (p // 16) * 16 + (p % 8) // 2 + 4 * (p % 2) + 8 * ((p % 16) // 8)
     return p
-
-
-_TABLES = weakref.WeakKeyDictionary()  # codec -> {key: (source, table)}
-
-
-def _cached(codec, key, source, build):
-    try:
-        per_codec = _TABLES.setdefault(codec, {})
-    except TypeError:  # not weak-referenceable
-        per_codec = {}
-    hit = per_codec.get(key)
-    if hit is not None and hit[0] is source:
-        return hit[1]
-    table = build(source)
-    per_codec[key] = (source, table)
-    return table
 
 
 def _signed32(v: int) -> int:
