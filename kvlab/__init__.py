@@ -37,18 +37,25 @@ from .decode import AffineSlot, decode_attention, prefill_attention, rotate_atte
 
 __all__ += ["AffineSlot", "decode_attention", "prefill_attention", "rotate_attention_output", "store_affine_slots"]
 
+from .centered_reference import CenteredMSECodec  # noqa: E402  MSE keys centred and scaled per channel: reference
+from .centered import load_centered_mse, store_centered_mse  # noqa: E402  ... and its Triton kernels in the paged cache
+from .calibration import ChannelStats, RoPE, calibrate_keys, key_moments  # noqa: E402  key statistics for it
+
+__all__ += ["CenteredMSECodec", "ChannelStats", "RoPE", "calibrate_keys", "key_moments", "load_centered_mse", "store_centered_mse"]
+
 # The transformers cache and the real model import transformers: loaded on first use (PEP 562).
 _LAZY = {
     "KVCache": "cache", "KVFormat": "cache",
     "corpus": "model", "load_model": "model", "perplexity": "model", "Perplexity": "model",
+    "SimulatedCache": "simulated",
 }
-__all__ += [*_LAZY, "cache", "model"]
+__all__ += [*_LAZY, "cache", "model", "simulated"]
 
 
 def __getattr__(name):
     import importlib
 
-    if name in ("cache", "model"):
+    if name in ("cache", "model", "simulated"):
         return importlib.import_module(f".{name}", __name__)
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

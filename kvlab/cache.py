@@ -19,19 +19,25 @@ What
     * ``KVFormat("mse", key_bits, value_bits, rotation="haar" | "hadamard")``: ``kvlab.MSECodec``,
       keys and values in one slot of the paged cache of ``kvlab.layout`` (``MSESlot``), written
       through a ``slot_mapping`` over a block table per sequence.
+    * ``KVFormat("centered", key_bits, value_bits, rotation=...)``: keys with
+      ``kvlab.centered_reference.CenteredMSECodec`` (shifted by a calibrated per-channel mean and divided by a
+      per-channel scale, then the MSE codec), values with ``kvlab.MSECodec``; the same paged slot as
+      ``"mse"``. The cache needs the keys' ``kvlab.calibration.ChannelStats`` (``KVCache(...,
+      key_stats=kvlab.calibration.calibrate_keys(model, ids))``, measured on text disjoint from what is evaluated).
 
     ``KVCache`` options: one format for every layer or a list with one per layer; ``keep_first`` /
     ``keep_last`` boundary layers left unquantized; a ``residual`` window of the most recent tokens
-    left unquantized (KIVI).
+    left unquantized (KIVI); the first ``sink`` tokens of every sequence left unquantized (the
+    attention sink: most heads put much of their attention on the first token).
 
 Storage, per layer (``B`` sequences, ``H`` KV heads, head dimension ``D``)
     * token-axis affine: uint8 ``[B, H, tokens, code_bytes]`` (``pack_affine``);
     * channel-axis affine keys: uint8 ``[B, H, tokens / group_size, code_bytes]``; the tokens of the
       group that is not yet full stay unquantized until it fills (KIVI);
     * mixed bits per head: uint8 ``[B, tokens, bytes_per_token]`` (``pack_affine_mixed``);
-    * MSE: the paged cache uint8 ``[num_blocks, block_size, H, slot_bytes]`` and a block table per
+    * MSE and centred MSE: the paged cache uint8 ``[num_blocks, block_size, H, slot_bytes]`` and a block table per
       sequence;
-    * unquantized parts (``fp16`` layers, the residual window, an open key group) in ``dtype``
+    * unquantized parts (``fp16`` layers, the sink tokens, the residual window, an open key group) in ``dtype``
       (``float16`` by default; ``None`` keeps the model's dtype, which makes the cache lossless).
 
     ``nbytes()`` is exactly ``sum over layers and over K, V of quantized_tokens * B * H * D * bits / 8
@@ -40,7 +46,8 @@ Storage, per layer (``B`` sequences, ``H`` KV heads, head dimension ``D``)
     partly filled MSE block are counted by ``allocated_nbytes()`` only.
 
 When tokens are quantized
-    ``update`` first stores the new tokens: they join the unquantized tail, and the oldest tail tokens
+    ``update`` first stores the new tokens: the first ``sink`` tokens of a sequence go to an
+    unquantized store of their own, the others join the unquantized tail, and the oldest tail tokens
     are encoded until only ``residual`` remain (keys on the channel axis: only whole groups of
     ``group_size`` tokens are encoded). It then returns what attention should see:
 
@@ -59,7 +66,8 @@ When tokens are quantized
 
 Backends
     ``backend="triton"`` encodes and decodes with kvlab's Triton kernels (``pack_affine``,
-    ``pack_affine_mixed``, ``store_mse``, ``load_mse`` and their inverses); ``backend="reference"`` with
+    ``pack_affine_mixed``, ``store_mse``, ``load_mse``, ``store_centered_mse``, ``load_centered_mse`` and
+    their inverses); ``backend="reference"`` with
     the pure-torch codecs of ``kvlab.reference``, which produce the same bytes (tested) and are much
     faster than the Triton interpreter on a CPU; ``"auto"`` picks Triton for CUDA tensors and the
     reference otherwise. Codes are byte-equal; decoded affine values are equal too, decoded MSE values
@@ -82,13 +90,16 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import _checks as C
+from .calibration import ChannelStats
+from .centered_reference import CenteredMSECodec
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .reference import AffineCodec, MSECodec, read_slots, write_slots
 from .rotation import KINDS as ROTATIONS
 
 __all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
 
-CODECS = ("fp16", "affine", "mse")
+CODECS = ("fp16", "affine", "mse", "centered")
+MSE_CODECS = ("mse", "centered")  # the paged MSE slot
 AFFINE_BITS = (2, 3, 4, 8)
 MSE_BITS = (2, 3, 4)
 KEY_AXES = ("token", "channel")
@@ -121,7 +132,8 @@ class KVFormat:
 
     ``KVFormat("fp16")``; ``KVFormat("affine", 4)`` (k4v4, per-token, groups of 32 channels);
     ``KVFormat("affine", 2, key_axis="channel")`` (KIVI); ``KVFormat("affine", [8, 4, 4], 4)`` (mixed
-    key bits per head); ``KVFormat("mse", 4, 3, rotation="hadamard")`` (k4v3).
+    key bits per head); ``KVFormat("mse", 4, 3, rotation="hadamard")`` (k4v3);
+    ``KVFormat("centered", 3, 2)`` (centred 3-bit keys, 2-bit values; needs ``KVCache(key_stats=...)``).
     """
 
     codec: str
@@ -153,7 +165,7 @@ class KVFormat:
             allowed = AFFINE_BITS if codec == "affine" else MSE_BITS
             key_bits = _check_bits("key_bits", key_bits, allowed, codec == "affine" and key_axis == "token")
             value_bits = _check_bits("value_bits", value_bits, allowed, codec == "affine")
-            if codec == "mse" and key_axis != "token":
+            if codec in MSE_CODECS and key_axis != "token":
                 raise ValueError("key_axis='channel' needs codec='affine'")
         for name, value in (("codec", codec), ("key_bits", key_bits), ("value_bits", value_bits),
                             ("key_axis", key_axis), ("group_size", group_size), ("rotation", rotation),
@@ -174,7 +186,7 @@ class KVFormat:
             # values are always grouped along channels (and keys too unless key_axis='channel')
             if head_dim % self.group_size:
                 raise ValueError(f"group_size ({self.group_size}) must divide head_dim ({head_dim}) for codec='affine'")
-        if self.codec == "mse":
+        if self.codec in MSE_CODECS:
             C.check_int("head_dim", head_dim, minimum=3)
             if self.rotation == "hadamard" and head_dim & (head_dim - 1):
                 raise ValueError(f"rotation='hadamard' needs a power-of-two head_dim, got {head_dim}")
@@ -182,7 +194,7 @@ class KVFormat:
     def _part_bits(self, bits, head_dim: int, channel: bool) -> float:
         if self.codec == "fp16":
             return 16.0
-        if self.codec == "mse":
+        if self.codec in MSE_CODECS:
             return 8.0 * (packed_bytes(head_dim, bits) + NORM_BYTES) / head_dim
         g = self.group_size
         if channel:  # one code: g rows of packed indices, then a scale and a zero per channel
@@ -223,7 +235,7 @@ class KVFormat:
         if self.codec == "fp16":
             return "KVFormat('fp16')"
         extra = f", key_axis={self.key_axis!r}" if self.key_axis != "token" else ""
-        if self.codec == "mse":
+        if self.codec in MSE_CODECS:
             extra += f", rotation={self.rotation!r}" + (f", seed={self.seed}" if self.seed else "")
         return f"KVFormat({self.codec!r}, {self.key_bits!r}, {self.value_bits!r}{extra}, group_size={self.group_size})"
 
@@ -246,6 +258,17 @@ def _triton():
     from . import affine, mse
 
     return affine, mse
+
+
+def _centered_kernels():
+    from . import centered
+
+    return centered
+
+
+def _centered_codec(dim: int, bits: int, rotation: str, seed: int, stats: ChannelStats, layer: int) -> CenteredMSECodec:
+    return CenteredMSECodec(dim, bits, stats.mean[layer], stats.scale[layer], rotation=rotation, seed=seed,
+                            rope=stats.rope)
 
 
 class _AffineStream:
@@ -308,11 +331,16 @@ class _AffineStream:
 
 
 class _MSEStore:
-    """Keys and values of one layer in the paged MSE cache ``[num_blocks, block_size, H, slot_bytes]``."""
+    """Keys and values of one layer in the paged MSE cache ``[num_blocks, block_size, H, slot_bytes]``.
 
-    def __init__(self, key_codec: MSECodec, value_codec: MSECodec, num_heads: int, block_size: int,
-                 batch: int, device, backend: str):
+    ``key_codec`` is an ``MSECodec`` or a ``CenteredMSECodec`` (same slot).
+    """
+
+    def __init__(self, key_codec: MSECodec | CenteredMSECodec, value_codec: MSECodec, num_heads: int,
+                 block_size: int, batch: int, device, backend: str):
         self.key_codec, self.value_codec = key_codec, value_codec
+        self.centered = isinstance(key_codec, CenteredMSECodec)
+        self.first_position = 0  # sequence position of the first stored token (after the sink tokens)
         self.layout = MSESlot(key_codec.dim, key_codec.bits, value_codec.bits)
         self.num_heads, self.block_size, self.backend = num_heads, block_size, backend
         self.cache = torch.zeros(0, block_size, num_heads, self.layout.slot_bytes, dtype=torch.uint8, device=device)
@@ -325,6 +353,10 @@ class _MSEStore:
         table = torch.tensor(self.block_table, dtype=torch.int64).reshape(len(self.block_table), -1)
         slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
         return slots.reshape(-1).to(self.cache.device)
+
+    def _positions(self, start: int, stop: int) -> torch.Tensor:
+        """Sequence positions of stored tokens [start, stop) of every sequence, sequence-major: [B * (stop - start)]."""
+        return (torch.arange(start, stop) + self.first_position).repeat(len(self.block_table))
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k``, ``v`` ``[B, H, n, D]`` at positions [tokens, tokens + n) of every sequence."""
@@ -342,7 +374,13 @@ class _MSEStore:
         slots = self._slots(self.tokens, stop)
         k_rows = k.transpose(1, 2).reshape(batch * n, heads, dim)  # [B * n, H, D], sequence-major
         v_rows = v.transpose(1, 2).reshape(batch * n, heads, dim)
-        if self.backend == "triton":
+        if self.backend == "triton" and self.centered:
+            _centered_kernels().store_centered_mse(k_rows, v_rows, slots, self.cache, self.key_codec, self.value_codec,
+                                                   positions=self._positions(self.tokens, stop))
+        elif self.centered:
+            k_codes = self.key_codec.encode(k_rows, self._positions(self.tokens, stop) if self.key_codec.rope else None)
+            write_slots(self.cache, slots, k_codes, self.value_codec.encode(v_rows), self.layout)
+        elif self.backend == "triton":
             _triton()[1].store_mse(k_rows, v_rows, slots, self.cache, self.key_codec, self.value_codec)
         else:
             write_slots(self.cache, slots, self.key_codec.encode(k_rows), self.value_codec.encode(v_rows), self.layout)
@@ -356,11 +394,18 @@ class _MSEStore:
         slots = self._slots(0, n)
         if self.backend == "triton":
             mse = _triton()[1]
-            k = mse.load_mse(self.cache, slots, self.key_codec, part="key", space="model", out_dtype=dtype)
+            if self.centered:
+                k = _centered_kernels().load_centered_mse(self.cache, slots, self.key_codec, space="model", out_dtype=dtype,
+                                                          positions=self._positions(0, n))
+            else:
+                k = mse.load_mse(self.cache, slots, self.key_codec, part="key", space="model", out_dtype=dtype)
             v = mse.load_mse(self.cache, slots, self.value_codec, part="value", space="model", out_dtype=dtype)
         else:
             k_codes, v_codes = read_slots(self.cache, slots, self.layout)
-            k = self.key_codec.decode(k_codes, "model").to(dtype)
+            if self.centered:
+                k = self.key_codec.decode(k_codes, "model", self._positions(0, n) if self.key_codec.rope else None).to(dtype)
+            else:
+                k = self.key_codec.decode(k_codes, "model").to(dtype)
             v = self.value_codec.decode(v_codes, "model").to(dtype)
         shape = (batch, n, self.num_heads, self.key_codec.dim)
         return k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2)
@@ -389,9 +434,11 @@ class KVCacheLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, fmt: KVFormat, *, num_heads: int, head_dim: int, residual: int, prefill: str,
-                 dtype: torch.dtype | None, backend: str, block_size: int):
+                 dtype: torch.dtype | None, backend: str, block_size: int,
+                 key_stats: ChannelStats | None = None, layer_idx: int = 0, sink: int = 0):
         super().__init__()
         self.fmt, self.num_heads, self.head_dim = fmt, num_heads, head_dim
+        self.key_stats, self.layer_idx, self.sink = key_stats, layer_idx, sink
         self.residual, self.prefill, self.store_dtype = residual, prefill, dtype
         self.requested_backend, self.block_size = backend, block_size
         self.backend: str | None = None  # resolved at the first update
@@ -414,13 +461,18 @@ class KVCacheLayer(CacheLayerMixin):
         self.backend = ("triton" if key_states.device.type == "cuda" else "reference") if want == "auto" else want
         self.k_tail = key_states.new_zeros(batch, heads, 0, dim, dtype=self.dtype)
         self.v_tail = value_states.new_zeros(batch, heads, 0, dim, dtype=self.dtype)
+        self.k_sink, self.v_sink = self.k_tail.clone(), self.v_tail.clone()  # the first `sink` tokens
         self.k_codes = self.v_codes = self.mse = None
         fmt = self.fmt
         if fmt.codec == "affine":
             self.k_codes = _AffineStream(fmt.key_bits, fmt.group_size, fmt.key_axis, heads, dim, self.backend)
             self.v_codes = _AffineStream(fmt.value_bits, fmt.group_size, "token", heads, dim, self.backend)
-        elif fmt.codec == "mse":
-            self.mse = _MSEStore(_mse_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed),
+        elif fmt.codec in MSE_CODECS:
+            if fmt.codec == "centered":
+                key_codec = _centered_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed, self.key_stats, self.layer_idx)
+            else:
+                key_codec = _mse_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed)
+            self.mse = _MSEStore(key_codec,
                                  _mse_codec(dim, fmt.value_bits, fmt.rotation, fmt.seed),
                                  heads, self.block_size, batch, self.device, self.backend)
         self.is_initialized = True
@@ -441,6 +493,12 @@ class KVCacheLayer(CacheLayerMixin):
         return self._read(key_states.dtype)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        into_sink = min(max(0, self.sink - self.length), k.shape[2])
+        if into_sink and self.fmt.codec != "fp16":
+            self.k_sink = torch.cat([self.k_sink, k[:, :, :into_sink].to(self.dtype)], 2)
+            self.v_sink = torch.cat([self.v_sink, v[:, :, :into_sink].to(self.dtype)], 2)
+            self.length += into_sink
+            k, v = k[:, :, into_sink:], v[:, :, into_sink:]
         self.k_tail = torch.cat([self.k_tail, k.to(self.dtype)], 2)
         self.v_tail = torch.cat([self.v_tail, v.to(self.dtype)], 2)
         self.length += k.shape[2]
@@ -449,6 +507,8 @@ class KVCacheLayer(CacheLayerMixin):
         if self.mse is not None:
             n = max(0, self.k_tail.shape[2] - self.residual)
             if n:
+                if self.mse.tokens == 0:
+                    self.mse.first_position = self.k_sink.shape[2]  # the sink tokens come first
                 self.mse.write(self.k_tail[:, :, :n], self.v_tail[:, :, :n])
                 self.k_tail, self.v_tail = self.k_tail[:, :, n:].clone(), self.v_tail[:, :, n:].clone()
             return
@@ -466,7 +526,8 @@ class KVCacheLayer(CacheLayerMixin):
             k_q, v_q = self.k_codes.read(dtype), self.v_codes.read(dtype)
         else:
             k_q = v_q = None
-        return _cat([k_q, self.k_tail.to(dtype)], 2), _cat([v_q, self.v_tail.to(dtype)], 2)
+        return (_cat([self.k_sink.to(dtype), k_q, self.k_tail.to(dtype)], 2),
+                _cat([self.v_sink.to(dtype), v_q, self.v_tail.to(dtype)], 2))
 
     def get_seq_length(self) -> int:
         return self.length
@@ -481,7 +542,7 @@ class KVCacheLayer(CacheLayerMixin):
         """Drop every stored token; the next update starts from scratch (a new prompt)."""
         self.is_initialized = False
         self.length = 0
-        self.k_tail = self.v_tail = self.k_codes = self.v_codes = self.mse = None
+        self.k_tail = self.v_tail = self.k_codes = self.v_codes = self.mse = self.k_sink = self.v_sink = None
 
     def _unsupported(self, what: str):
         raise NotImplementedError(f"KVCache does not support {what} (greedy decoding and sampling work)")
@@ -518,7 +579,8 @@ class KVCacheLayer(CacheLayerMixin):
         """Bytes of the codes and the unquantized tail held for the stored tokens."""
         if not self.is_initialized:
             return 0
-        tail = (self.k_tail.numel() + self.v_tail.numel()) * self.k_tail.element_size()
+        unquantized = self.k_tail.numel() + self.v_tail.numel() + self.k_sink.numel() + self.v_sink.numel()
+        tail = unquantized * self.k_tail.element_size()
         if self.mse is not None:
             return tail + self.mse.nbytes()
         if self.k_codes is not None:
@@ -543,17 +605,21 @@ class KVCache(Cache):
     * ``fmt``: a ``KVFormat`` for every layer, or a list with one per layer.
     * ``keep_first`` / ``keep_last``: the first / last layers stored unquantized (fp16).
     * ``residual``: the most recent tokens of every layer stay unquantized (KIVI's window).
+    * ``sink``: the first tokens of every sequence stay unquantized (the attention sink).
     * ``prefill``: ``"exact"`` (a layer's first call returns its inputs as given) or ``"stored"``.
     * ``dtype``: dtype of the unquantized parts (``float16``; ``None``: the model's dtype).
     * ``backend``: ``"auto"`` (Triton on CUDA, the pure-torch reference elsewhere), ``"triton"``,
       ``"reference"``; both give the same bytes.
     * ``block_size``: tokens per block of the paged MSE cache.
+    * ``key_stats``: the keys' ``ChannelStats`` (``kvlab.calibration.calibrate_keys``), ``[num_layers,
+      num_kv_heads, head_dim]``; required when a layer uses ``KVFormat("centered", ...)``.
     """
 
     def __init__(self, fmt: KVFormat | Sequence[KVFormat] = KVFormat("fp16"), *, config=None,
                  num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 keep_first: int = 0, keep_last: int = 0, residual: int = 0, prefill: str = "exact",
-                 dtype: torch.dtype | None = torch.float16, backend: str = "auto", block_size: int = 16):
+                 keep_first: int = 0, keep_last: int = 0, residual: int = 0, sink: int = 0, prefill: str = "exact",
+                 dtype: torch.dtype | None = torch.float16, backend: str = "auto", block_size: int = 16,
+                 key_stats: ChannelStats | None = None):
         if config is not None:
             if num_layers is not None or num_kv_heads is not None or head_dim is not None:
                 raise ValueError("pass either config or num_layers, num_kv_heads and head_dim, not both")
@@ -585,6 +651,7 @@ class KVCache(Cache):
         if keep_first + keep_last > num_layers:
             raise ValueError(f"keep_first + keep_last ({keep_first} + {keep_last}) exceeds the model's {num_layers} layers")
         C.check_int("residual", residual, minimum=0)
+        C.check_int("sink", sink, minimum=0)
         C.check_choice("prefill", prefill, PREFILL)
         if dtype is not None and dtype not in STORE_DTYPES:
             raise TypeError(f"dtype must be None or one of (float16, bfloat16, float32), got {dtype}")
@@ -594,28 +661,39 @@ class KVCache(Cache):
             f.check(num_kv_heads, head_dim)
         for i in [*range(keep_first), *range(num_layers - keep_last, num_layers)]:
             formats[i] = KVFormat("fp16")
+        if key_stats is not None:
+            if not isinstance(key_stats, ChannelStats):
+                raise TypeError(f"key_stats must be a kvlab.calibration.ChannelStats (calibrate_keys), "
+                                f"got {type(key_stats).__name__}")
+            if key_stats.shape != (num_layers, num_kv_heads, head_dim):
+                raise ValueError(f"key_stats has shape {key_stats.shape}, the model needs "
+                                 f"[{num_layers}, {num_kv_heads}, {head_dim}] (layers, KV heads, head_dim)")
+        elif any(f.codec == "centered" for f in formats):
+            raise ValueError("KVFormat('centered', ...) needs the keys' channel statistics: "
+                             "KVCache(..., key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
 
         self.formats = formats
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.keep_first, self.keep_last, self.residual = keep_first, keep_last, residual
-        self.prefill, self.store_dtype = prefill, dtype
+        self.keep_first, self.keep_last, self.residual, self.sink = keep_first, keep_last, residual, sink
+        self.prefill, self.store_dtype, self.key_stats = prefill, dtype, key_stats
         layers = [
             KVCacheLayer(f, num_heads=num_kv_heads, head_dim=head_dim, residual=residual, prefill=prefill,
-                         dtype=dtype, backend=backend, block_size=block_size)
-            for f in formats
+                         dtype=dtype, backend=backend, block_size=block_size, key_stats=key_stats, layer_idx=i,
+                         sink=sink)
+            for i, f in enumerate(formats)
         ]
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
         labels = sorted({f.label for f in self.formats})
         return (f"KVCache({', '.join(labels)}; layers={len(self.layers)}, keep_first={self.keep_first}, "
-                f"keep_last={self.keep_last}, residual={self.residual}, tokens={self.get_seq_length()})")
+                f"keep_last={self.keep_last}, residual={self.residual}, sink={self.sink}, tokens={self.get_seq_length()})")
 
     @property
     def bits_per_element(self) -> float:
         """Bits per stored K/V element of the codes, metadata included, averaged over layers.
 
-        Unquantized layers count 16 bits. The residual window and an open key group are not included:
+        Unquantized layers count 16 bits. The sink tokens, the residual window and an open key group are not included:
         ``nbytes()`` counts them at the size of ``dtype``.
         """
         return sum(f.bits_per_element(self.head_dim) for f in self.formats) / len(self.formats)

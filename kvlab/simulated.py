@@ -1,0 +1,216 @@
+"""Simulated key and value codecs for research: encode, decode, keep the decoded vectors.
+
+What
+    ``SimulatedCache`` is a ``transformers.Cache`` whose layers pass every new key and value through a
+    per-token codec given as a function, ``x_hat = part(x, positions)``, and keep ``x_hat``: what a cache
+    holding the codes would return, without the storage. It lets the research page measure codecs
+    that kvlab does not store (outlier channels apart, keys quantized before RoPE) with the same
+    protocol as ``kvlab.KVCache``: ``prefill="exact"`` (a layer's first call returns its inputs), later
+    calls return every stored token decoded, the first ``sink`` and the most recent ``residual`` tokens
+    unquantized (fp16).
+
+    A ``Part`` is ``(fn, bits_per_element)``; ``bits_per_element`` counts codes and per-token metadata
+    (norms). The constructors below build the candidates:
+
+    * ``mse_part``: ``kvlab.MSECodec`` (encode, decode), the plain rotated Lloyd-Max codec;
+    * ``centered_part``: ``kvlab.centered_reference.CenteredMSECodec`` with one layer's ``ChannelStats``;
+    * ``split_part``: the ``n`` channels of largest calibrated spread apart with ``outlier_bits``, the
+      others with ``bits``, each group rotated and coded on its own with its own norm (TurboQuant's
+      outlier split), optionally centred first;
+    * ``pre_rope``: wraps a key part so that it codes the keys before RoPE (the rotation is undone with
+      the positions, the code decoded, RoPE applied again), as KVQuant does;
+    * ``fp16_part``: unquantized, stored in fp16.
+
+    Everything is pure torch on the CPU; tokens are coded independently (per-token codecs only).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import _checks as C
+from .calibration import ChannelStats
+from .centered_reference import CenteredMSECodec
+from .reference import MSECodec
+
+__all__ = ["Part", "SimulatedCache", "centered_part", "fp16_part", "mse_part", "pre_rope", "rope_tables", "split_part"]
+
+NORM_BITS = 16
+
+
+@dataclass(frozen=True)
+class Part:
+    """A per-token codec of one part (K or V) of one layer: ``fn(x [B, H, n, D], positions [n]) -> x_hat``."""
+
+    fn: Callable
+    bits_per_element: float
+    label: str = ""
+
+
+def _heads_last(fn):
+    """Apply a codec on ``[..., H, D]`` to ``x [B, H, n, D]``."""
+    return lambda x: fn(x.transpose(1, 2)).transpose(1, 2)
+
+
+def fp16_part() -> Part:
+    return Part(lambda x, pos: x.half().float(), 16.0, "fp16")
+
+
+@functools.lru_cache(maxsize=None)
+def _mse(dim: int, bits: int, rotation: str, seed: int) -> MSECodec:
+    return MSECodec(dim, bits, rotation=rotation, seed=seed)
+
+
+def mse_part(dim: int, bits: int, *, rotation: str = "haar", seed: int = 0) -> Part:
+    codec = _mse(dim, bits, rotation, seed)
+    return Part(lambda x, pos: codec.decode(codec.encode(x)), codec.bits_per_element, f"mse{bits}")
+
+
+def centered_part(stats: ChannelStats, layer: int, bits: int, *, scale: bool = True, rotation: str = "haar",
+                  seed: int = 0) -> Part:
+    """``CenteredMSECodec`` of layer ``layer`` (``scale=False``: centring only, scale 1); with ``stats.rope``
+    the mean turns with the tokens' positions."""
+    mean = stats.mean[layer]
+    codec = CenteredMSECodec(mean.shape[-1], bits, mean, stats.scale[layer] if scale else torch.ones_like(mean),
+                             rotation=rotation, seed=seed, rope=stats.rope)
+
+    def fn(x, pos):
+        rows = x.transpose(1, 2)  # [B, n, H, D]
+        p = pos.expand(rows.shape[0], -1) if stats.rope is not None else None
+        return codec.decode(codec.encode(rows, p), "model", p).transpose(1, 2)
+
+    return Part(fn, codec.bits_per_element, f"centered{bits}")
+
+
+def split_part(stats: ChannelStats, layer: int, bits: int, outlier_bits: int, n: int, *, center: bool = True,
+               seed: int = 0) -> Part:
+    """Outlier channels apart: per head the ``n`` channels of largest calibrated spread (``stats.scale``
+    when centred, else root mean square) with ``outlier_bits``, the rest with ``bits``; each group is
+    rotated (Haar) and coded with the MSE codec of its own dimension and norm."""
+    mean, scale = stats.mean[layer], stats.scale[layer]
+    heads, dim = mean.shape
+    C.check_int("n", n, minimum=3)
+    if dim - n < 3:
+        raise ValueError(f"n must leave at least 3 channels of {dim}, got {n}")
+    spread = scale.square() if center else scale.square() + mean.square()
+    order = spread.argsort(-1, descending=True)
+    outlier, inlier = order[:, :n], order[:, n:]
+    hi, lo = _mse(n, outlier_bits, "haar", seed), _mse(dim - n, bits, "haar", seed)
+    shift = mean if center else torch.zeros_like(mean)
+
+    def fn(x, pos):
+        z = x.float() - shift[None, :, None, :]
+        idx_hi = outlier[None, :, None, :].expand(*z.shape[:-1], n)
+        idx_lo = inlier[None, :, None, :].expand(*z.shape[:-1], dim - n)
+        out = torch.empty_like(z)
+        out.scatter_(-1, idx_hi, hi.decode(hi.encode(torch.gather(z, -1, idx_hi))))
+        out.scatter_(-1, idx_lo, lo.decode(lo.encode(torch.gather(z, -1, idx_lo))))
+        return out + shift[None, :, None, :]
+
+    bits_per_element = (n * outlier_bits + (dim - n) * bits + 2 * NORM_BITS) / dim
+    return Part(fn, bits_per_element, f"split{n}@{outlier_bits}+{bits}")
+
+
+def rope_tables(model) -> Callable:
+    """``positions [n] -> (cos, sin) [n, head_dim]`` of a transformers Llama-like model (its ``rotary_emb``)."""
+    rotary = model.model.rotary_emb
+    dim = model.config.head_dim
+
+    def tables(pos):
+        cos, sin = rotary(torch.zeros(1, 1, dim), pos[None].to(torch.int64))
+        return cos[0].float(), sin[0].float()
+
+    return tables
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+def pre_rope(part: Part, tables: Callable) -> Part:
+    """Code the keys before RoPE: undo RoPE at the tokens' positions, code, apply RoPE again."""
+
+    def fn(x, pos):
+        cos, sin = tables(pos)
+        raw = x.float() * cos - _rotate_half(x.float()) * sin  # RoPE's inverse rotation
+        y = part.fn(raw, pos).float()
+        return y * cos + _rotate_half(y) * sin
+
+    return Part(fn, part.bits_per_element, "pre-RoPE " + part.label)
+
+
+class _SimulatedLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, key: Part, value: Part, residual: int, sink: int):
+        super().__init__()
+        self.key, self.value, self.residual, self.sink = key, value, residual, sink
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states):
+        self.decoded = ([], [])  # per call: decoded keys, values [B, H, n, D]
+        self.exact = ([], [])  # the same in fp16 (for the residual window)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        pos = torch.arange(self.length, self.length + n)
+        first = self.length == 0
+        self.length += n
+        for i, (x, part) in enumerate(((key_states, self.key), (value_states, self.value))):
+            decoded = part.fn(x, pos).to(x.dtype)
+            if self.sink and pos[0] < self.sink:
+                decoded = torch.where((pos < self.sink)[:, None].to(x.device), x.half().to(x.dtype), decoded)
+            self.decoded[i].append(decoded)
+            if self.residual:
+                self.exact[i].append(x.half().to(x.dtype))
+        if first:
+            return key_states, value_states
+        out = [torch.cat(d, 2) for d in self.decoded]
+        r = min(self.residual, self.length)
+        if r:
+            out = [torch.cat([o[:, :, : self.length - r], torch.cat(e, 2)[:, :, -r:]], 2) for o, e in zip(out, self.exact)]
+        return out[0], out[1]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SimulatedCache(Cache):
+    """A cache of decoded per-token codes: ``parts`` is one ``(key Part, value Part)`` per layer."""
+
+    prefill = "exact"  # its prompt pass is that of a DynamicCache: kvlab.perplexity shares it
+
+    def __init__(self, parts: Sequence[tuple[Part, Part]], *, residual: int = 0, sink: int = 0):
+        C.check_int("residual", residual, minimum=0)
+        C.check_int("sink", sink, minimum=0)
+        for i, p in enumerate(parts):
+            if len(p) != 2 or not all(isinstance(q, Part) for q in p):
+                raise TypeError(f"parts[{i}] must be a (key Part, value Part) pair")
+        self.parts, self.residual, self.sink = list(parts), residual, sink
+        super().__init__(layers=[_SimulatedLayer(k, v, residual, sink) for k, v in self.parts])
+
+    def held_bits_per_element(self) -> float:
+        """Bits per stored K/V element: codes and norms, plus the sink and residual tokens at 16 bits (nan when empty)."""
+        held = elements = 0
+        for layer, (k, v) in zip(self.layers, self.parts):
+            total = layer.length
+            r = min(self.residual + self.sink, total)
+            held += (total - r) * (k.bits_per_element + v.bits_per_element) + 2 * r * 16
+            elements += 2 * total
+        return held / elements if elements else float("nan")
