@@ -86,6 +86,7 @@ __all__ = [
     "SweepResult",
     "Task",
     "decode_glued",
+    "diagnose_notebook",
     "execute",
     "format_value",
     "glued_scalars",
@@ -417,9 +418,9 @@ def execute(task: Task) -> Outcome:
     if proc.returncode == 0 and nb is not None and not _error_outputs(nb):
         return Outcome(True, duration, "", executed, host=host)
     if nb is not None and _error_outputs(nb):
-        return Outcome(False, duration, _diagnose(nb), executed, host=host)
+        return Outcome(False, duration, diagnose_notebook(nb), executed, host=host)
     # no error output: the kernel died, a cell timed out or papermill itself failed; its log tells
-    problem = (_diagnose(nb) if nb is not None else None) or "no executed notebook was written"
+    problem = (diagnose_notebook(nb) if nb is not None else None) or "no executed notebook was written"
     tail = "\n".join(ANSI.sub("", proc.stdout).strip().splitlines()[-15:])
     return Outcome(False, duration, f"{problem} (papermill exit code {proc.returncode})", executed, tail, host)
 
@@ -440,8 +441,9 @@ def _describe_cell(nb: dict, i: int) -> str:
     return f"cell {index} ({label}; cells counted from 0)"
 
 
-def _diagnose(nb: dict) -> str | None:
-    """The failing cell and its error, or the last cell started if the kernel died; None if neither."""
+def diagnose_notebook(nb: dict) -> str | None:
+    """The failing cell of an executed notebook and its error, or the last cell started if the kernel
+    died or a cell timed out; None if neither (also used by ``scripts/run_notebooks.py``)."""
     errors = _error_outputs(nb)
     if errors:
         i, out = errors[0]

@@ -117,51 +117,14 @@ def error_outputs(nb: dict) -> list[tuple[int, dict, dict]]:
     return found
 
 
-PAPERMILL_TAGS = {"papermill-error-cell-tag", "injected-parameters"}
-
-
-def describe_cell(nb: dict, i: int) -> str:
-    """Name cell i of an executed notebook by its position in the source notebook."""
-    cells = nb.get("cells", [])
-    cell = cells[i]
-    tags = set(cell.get("metadata", {}).get("tags", []))
-    count = cell.get("execution_count")
-    label = f"In [{count}]" if count is not None else "not executed"
-    if "injected-parameters" in tags:
-        return f"the injected parameters cell ({label})"
-    index = sum(1 for c in cells[:i] if not PAPERMILL_TAGS & set(c.get("metadata", {}).get("tags", [])))
-    return f"cell {index} ({label}; cells counted from 0)"
-
-
-def raising_line(out: dict) -> str | None:
-    """The source line marked by the traceback's arrow in the deepest frame, if any."""
-    line = None
-    for frame in out.get("traceback", []):
-        for text in ANSI.sub("", frame).splitlines():
-            m = re.match(r"^\s*-+>\s*(\d+)\s?(.*)$", text)
-            if m:
-                line = f"line {m.group(1)}: {m.group(2).strip()}"
-    return line
-
-
 def diagnose(nb: dict | None) -> str:
+    """The failing cell and its error (``kvlab.sweep.diagnose_notebook``, imported only on failure)."""
     if nb is None:
         return "no executed notebook was written"
-    errors = error_outputs(nb)
-    if errors:
-        i, cell, out = errors[0]
-        msg = f"{describe_cell(nb, i)} raised {out.get('ename')}: {ANSI.sub('', str(out.get('evalue')))}"
-        where = raising_line(out)
-        return msg + (f"\n    at {where}" if where else "")
-    # No error output: a dead kernel or a timeout. papermill may still mark every cell as
-    # completed; the culprit is the last cell that was started.
-    cells = nb.get("cells", [])
-    started = [i for i, c in enumerate(cells) if c.get("cell_type") == "code"
-               and c.get("metadata", {}).get("papermill", {}).get("start_time")]
-    if started:
-        return (f"{describe_cell(nb, started[-1])}, the last cell started, did not finish: "
-                "the kernel died or the cell timed out")
-    return "no cell was executed"
+    sys.path.insert(0, str(ROOT))
+    from kvlab.sweep import diagnose_notebook
+
+    return diagnose_notebook(nb) or "no cell was executed"
 
 
 def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
