@@ -52,7 +52,8 @@ def check_same_device(**tensors) -> None:
         raise ValueError(f"tensors must be on one device, got {listing}")
 
 
-def check_slot_mapping(slot_mapping, num_tokens: int, num_slots: int, device) -> None:
+def check_slot_mapping(slot_mapping, num_tokens: int, num_slots: int, device, values: bool = True) -> None:
+    """dtype, shape and device of ``slot_mapping``; with ``values`` also its range (one host sync)."""
     check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
         raise ValueError(
@@ -60,7 +61,7 @@ def check_slot_mapping(slot_mapping, num_tokens: int, num_slots: int, device) ->
         )
     if slot_mapping.device != device:
         raise ValueError(f"slot_mapping must be on {device}, got {slot_mapping.device}")
-    if num_tokens and bool(((slot_mapping < -1) | (slot_mapping >= num_slots)).any()):
+    if values and num_tokens and bool(((slot_mapping < -1) | (slot_mapping >= num_slots)).any()):
         raise ValueError(
             f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) for a cache of {num_slots} slots"
         )

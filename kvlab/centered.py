@@ -236,12 +236,7 @@ def store_centered_mse(key: torch.Tensor, value: torch.Tensor, slot_mapping: tor
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     num_blocks, block_size = cache.shape[:2]
     num_slots = num_blocks * block_size
-    if check:
-        C.check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device)
-    else:
-        C.check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))
-        if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
-            raise ValueError(f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}")
+    C.check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, values=check)
     block_rows = 16 if block_rows is None else block_rows
     C.check_int("block_rows", block_rows, minimum=1)
     if block_rows & (block_rows - 1):

@@ -831,8 +831,7 @@ def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, 
                          f"got {tuple(cache.shape)}")
     num_slots = cache.shape[0] * cache.shape[1]
     C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
-    if check:
-        C.check_slot_mapping(slot_mapping, key.shape[0], num_slots, cache.device)
+    C.check_slot_mapping(slot_mapping, key.shape[0], num_slots, cache.device, values=check)
     codes = torch.cat([pack_affine(key, key_codec.bits, key_codec.group_size, "token", check=check),
                        pack_affine(value, value_codec.bits, value_codec.group_size, "token", check=check)], -1)
     keep = slot_mapping >= 0

@@ -615,17 +615,6 @@ def _check_cache(cache) -> None:
         raise ValueError(f"cache must be contiguous in its last (byte) dimension, got strides {cache.stride()}")
 
 
-def _check_slot_mapping(slot_mapping, num_tokens: int, num_slots: int, device, check: bool) -> None:
-    if check:  # includes the value range: one host sync
-        C.check_slot_mapping(slot_mapping, num_tokens, num_slots, device)
-        return
-    C.check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping must have shape ({num_tokens},) (one slot per token), got {tuple(slot_mapping.shape)}")
-    if slot_mapping.device != device:
-        raise ValueError(f"slot_mapping must be on {device}, got {slot_mapping.device}")
-
-
 def _check_tiling(block_rows, num_warps) -> None:
     C.check_int("block_rows", block_rows, minimum=1)
     if block_rows & (block_rows - 1):
@@ -705,7 +694,7 @@ def store_mse(
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     num_slots = num_blocks * block_size
-    _check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, check)
+    C.check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, values=check)
     _check_tiling(32 if block_rows is None else block_rows, num_warps)
     pieces = max(1, _store_block_d(dim) // STORE_PIECE)  # threads per row
     block_rows = 32 * num_warps // pieces if block_rows is None else block_rows  # default: a piece per thread
@@ -817,7 +806,7 @@ def load_mse(
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping must be 1-D [num_tokens], got shape {tuple(slot_mapping.shape)}")
     num_tokens = slot_mapping.shape[0]
-    _check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, cache.device, check)
+    C.check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, cache.device, values=check)
     block_rows = _default_block_rows(codec.dim) if block_rows is None else block_rows
     _check_tiling(block_rows, num_warps)
 
