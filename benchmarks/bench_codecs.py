@@ -21,7 +21,6 @@ import csv
 import datetime as dt
 import json
 import os
-import subprocess
 import time
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
+from benchmarks.common import run_tests  # noqa: E402
 from benchmarks.baselines import global_scale_affine, one_program_per_vector  # noqa: E402
 
 DIM = 128
@@ -87,20 +87,6 @@ def copy_bandwidth(nbytes=4 << 30):
     return 2 * nbytes / ms / 1e6  # GB/s, read + write
 
 
-def run_tests(log=None):
-    """Run the test suite here (compiled kernels), or read the log of a run made just before."""
-    if log:
-        text, returncode = Path(log).read_text(), None
-    else:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-                              cwd=ROOT, capture_output=True, text=True)
-        text, returncode = proc.stdout, proc.returncode
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    summary = lines[-1] if lines else ""
-    passed = returncode == 0 if returncode is not None else (" passed" in summary and "failed" not in summary and "error" not in summary)
-    return {"passed": passed, "summary": summary, "tail": "\n".join(lines[-30:])}
-
-
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -135,7 +121,7 @@ def main():
         "heads": HEADS,
     }
     if not args.no_tests:
-        meta["tests"] = run_tests(args.tests_log)
+        meta["tests"] = run_tests(["tests"], args.tests_log)
         print("tests:", meta["tests"]["summary"], flush=True)
     meta["copy_gbps"] = copy_bandwidth()
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)

@@ -23,7 +23,6 @@ import argparse
 import csv
 import datetime as dt
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
+from benchmarks.common import run_tests  # noqa: E402
 from kvlab import reference as ref  # noqa: E402
 from kvlab.decode import AffineSlot, decode_attention  # noqa: E402
 
@@ -60,19 +60,6 @@ def copy_bandwidth(nbytes=4 << 30):
     ms = bench(lambda: dst.copy_(src), rep=200)
     del src, dst
     return 2 * nbytes / ms / 1e6  # GB/s, read + write
-
-
-def run_tests(log=None):
-    if log:
-        text, returncode = Path(log).read_text(), None
-    else:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_decode.py"],
-                              cwd=ROOT, capture_output=True, text=True)
-        text, returncode = proc.stdout + proc.stderr, proc.returncode
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln or " error" in ln), "")
-    passed = returncode == 0 if returncode is not None else (" passed" in summary and "failed" not in summary and "error" not in summary)
-    return {"passed": passed, "summary": summary, "tail": "\n".join(lines[-30:])}
 
 
 def codecs(kind, kb, vb):
@@ -150,7 +137,7 @@ def main():
             "date": dt.date.today().isoformat(), "num_q_heads": HQ, "num_kv_heads": HKV, "dim": DIM,
             "block_size": BLOCK, "affine_group_size": GROUP}
     if not args.no_tests:
-        meta["tests"] = run_tests(args.tests_log)
+        meta["tests"] = run_tests(["tests/test_decode.py"], args.tests_log)
         print("tests:", meta["tests"]["summary"], flush=True)
     meta["copy_gbps"] = copy_bandwidth()
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
