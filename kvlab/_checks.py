@@ -5,6 +5,8 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument and what 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,6 +52,16 @@ def check_same_device(**tensors) -> None:
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"tensors must be on one device, got {listing}")
+
+
+def check_kernel_device(name: str, x: torch.Tensor) -> None:
+    """A Triton launch needs ``x`` on a CUDA device, or any device under ``TRITON_INTERPRET=1``."""
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError(
+            f"{name} is on {x.device}, but kvlab's Triton kernels run on CUDA devices; move the tensors to "
+            "CUDA, or set TRITON_INTERPRET=1 before triton is imported to run them on the CPU "
+            "(kvlab.reference encodes on any device)"
+        )
 
 
 def check_slot_mapping(slot_mapping, num_tokens: int, num_slots: int, device, values: bool = True) -> None:

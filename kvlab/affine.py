@@ -649,6 +649,7 @@ def pack_affine(
     _check_codec(bits, group_size, axis)
     _check_tunables("block_rows", block_rows, num_warps)
     C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1 if axis == "token" else 2)
+    C.check_kernel_device("x", x)
     dim = x.shape[-1]
     _check_dim(dim, group_size, axis, "x's last dimension")
     if axis == "channel" and x.shape[-2] % group_size:
@@ -720,6 +721,7 @@ def unpack_affine(
     _check_out_dtype(out_dtype)
     code_bytes = affine_code_bytes(dim, bits, group_size, axis)
     C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=code_bytes)
+    C.check_kernel_device("codes", codes)
     codes = codes.contiguous()
     block_gs = _pow2(group_size)
 
@@ -846,6 +848,7 @@ def pack_affine_mixed(
     _check_layout(layout)
     _check_tunables("block_rows", block_rows, num_warps)
     C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=2)
+    C.check_kernel_device("x", x)
     if x.shape[-2] != layout.num_heads:
         raise ValueError(
             f"bit_alloc has {layout.num_heads} entries but x has {x.shape[-2]} heads (shape {tuple(x.shape)}, "
@@ -891,6 +894,7 @@ def unpack_affine_mixed(
     _check_tunables("block_rows", block_rows, num_warps)
     _check_out_dtype(out_dtype)
     C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=layout.bytes_per_token)
+    C.check_kernel_device("codes", codes)
     codes = codes.contiguous()
     out = torch.empty(*codes.shape[:-1], layout.num_heads, layout.dim, dtype=out_dtype, device=codes.device)
     n_tokens = codes.numel() // layout.bytes_per_token

@@ -105,6 +105,7 @@ def store_centered_mse(key: torch.Tensor, value: torch.Tensor, slot_mapping: tor
         raise ValueError(f"cache must be [num_blocks, block_size, {num_heads}, {layout.slot_bytes}] for {layout}, "
                          f"contiguous in its last dimension, got shape {tuple(cache.shape)}")
     C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
+    C.check_kernel_device("cache", cache)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     # shape, dtype and device here; the slot range (one host sync) and the launch settings in store_mse

@@ -646,6 +646,7 @@ def _check_paged_inputs(q, cache, block_table, seq_lens, layout, check: bool):
     if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must have shape ({batch},) (one length per sequence), got {tuple(seq_lens.shape)}")
     C.check_same_device(q=q, cache=cache, block_table=block_table, seq_lens=seq_lens)
+    C.check_kernel_device("cache", cache)
     capacity = block_table.shape[1] * block_size
     if check and batch:
         if bool((seq_lens < 1).any()):
@@ -831,6 +832,7 @@ def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, 
                          f"got {tuple(cache.shape)}")
     num_slots = cache.shape[0] * cache.shape[1]
     C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
+    C.check_kernel_device("cache", cache)
     C.check_slot_mapping(slot_mapping, key.shape[0], num_slots, cache.device, values=check)
     codes = torch.cat([pack_affine(key, key_codec.bits, key_codec.group_size, "token", check=check),
                        pack_affine(value, value_codec.bits, value_codec.group_size, "token", check=check)], -1)

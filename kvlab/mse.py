@@ -691,6 +691,7 @@ def store_mse(
         )
     C.check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))
     C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
+    C.check_kernel_device("cache", cache)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     num_slots = num_blocks * block_size
@@ -800,6 +801,7 @@ def load_mse(
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     _check_cache(cache)
+    C.check_kernel_device("cache", cache)
     num_blocks, block_size, num_heads, slot_bytes = cache.shape
     offset, index_bytes = _part_layout(codec, part, slot_bytes)
     C.check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))

@@ -52,3 +52,20 @@ CASES = [
 def test_bad_input(name, call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+KERNEL_CALLS = [
+    ("store_mse", lambda: kvlab.store_mse(torch.randn(3, 2, 64), torch.randn(3, 2, 64), torch.arange(3), _cache(),
+                                          kvlab.MSECodec(64, 4), kvlab.MSECodec(64, 4)), "cache is on cpu"),
+    ("load_mse", lambda: kvlab.load_mse(_cache(), torch.arange(3), kvlab.MSECodec(64, 4)), "cache is on cpu"),
+    ("pack_affine", lambda: kvlab.pack_affine(torch.randn(4, 64), 4, 32), "x is on cpu"),
+    ("unpack_affine", lambda: kvlab.unpack_affine(torch.zeros(4, 40, dtype=torch.uint8), 4, 32, "token", 64), "codes is on cpu"),
+]
+
+
+@pytest.mark.parametrize("name, call, match", KERNEL_CALLS, ids=[c[0] for c in KERNEL_CALLS])
+def test_kernels_need_cuda_unless_interpreted(name, call, match, monkeypatch):
+    """CPU tensors reach a kernel only under TRITON_INTERPRET=1; without it the launcher says so."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=match + r".*TRITON_INTERPRET=1"):
+        call()

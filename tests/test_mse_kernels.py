@@ -357,6 +357,9 @@ class _FakeCodec:
             setattr(self, attr, changes.get(attr, getattr(KC, attr)))
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the kernels run (compiled, or interpreted)
+
+
 def _args(**changes):
     args = dict(
         key=torch.randn(3, 2, 64),
@@ -367,7 +370,8 @@ def _args(**changes):
         value_codec=VC,
     )
     args.update(changes)
-    return args
+    # on the device the kernels run on: the value checks (NaN, norms) happen in the kernel launch
+    return {k: v.to(DEV) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v for k, v in args.items()}
 
 
 def _store(**changes):
@@ -375,8 +379,8 @@ def _store(**changes):
 
 
 def _load(**changes):
-    args = dict(cache=_args()["cache"], slot_mapping=torch.tensor([0, 5, -1]), codec=VC, part="value")
-    args.update(changes)
+    args = dict(cache=_args()["cache"], slot_mapping=torch.tensor([0, 5, -1], device=DEV), codec=VC, part="value")
+    args.update({k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in changes.items()})
     return load_mse(**args)
 
 
