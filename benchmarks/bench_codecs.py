@@ -51,13 +51,13 @@ def bench(fn, reps=200):
 
 # Launch configs tried with --sweep, per kernel (the first of each list is the default).
 TUNABLES = {
-    "mse_store": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=2),
-                  dict(block_rows=None, num_warps=8), dict(block_rows=None, num_warps=1),
-                  dict(block_rows=64, num_warps=2), dict(block_rows=256, num_warps=8)],
-    "default": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8),
-                dict(block_rows=16, num_warps=4), dict(block_rows=32, num_warps=4),
-                dict(block_rows=64, num_warps=8), dict(block_rows=128, num_warps=8),
-                dict(block_rows=256, num_warps=8)],
+    "mse_store": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=1),
+                  dict(block_rows=None, num_warps=2)],
+    "mse_load": [dict(block_rows=None, num_warps=2), dict(block_rows=None, num_warps=8),
+                 dict(block_rows=64, num_warps=4)],
+    "affine_pack": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8),
+                    dict(block_rows=8, num_warps=4)],
+    "default": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8)],
 }
 _best = {}
 SWEEP = False

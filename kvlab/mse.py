@@ -81,7 +81,7 @@ __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_
 MSE_BITS = (2, 3, 4)
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
 STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
-LOAD_TILE_ELEMENTS = 8192  # default BLOCK_ROWS * BLOCK_D of a load program (64 rows of 128)
+LOAD_TILE_ELEMENTS = 4096  # default BLOCK_ROWS * BLOCK_D of a load program (32 rows of 128)
 
 
 
@@ -781,7 +781,7 @@ def load_mse(
     *,
     check: bool = True,
     block_rows: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 2,
 ) -> torch.Tensor:
     """Decode the ``part`` ("key" or "value") codes of ``slot_mapping``'s slots: ``[num_tokens, num_heads, dim]``.
 
@@ -790,8 +790,9 @@ def load_mse(
     the rotated result, in fp32, times ``R.T`` in one batched GEMM, then cast). Rows whose slot is
     ``-1`` (or, with ``check=False``, out of range) come out as zeros. The other part's bit width is
     inferred from the cache's ``slot_bytes``. ``check=True`` (default) checks the slot range with
-    one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 8192
-    elements per tile, 64 rows of 128) and ``num_warps`` tune the launch.
+    one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 4096
+    elements per tile, 32 rows of 128) and ``num_warps`` tune the launch (the defaults were the
+    fastest on an H200, ``benchmarks/bench_codecs.py --sweep mse_load``).
     """
     _check_codec("codec", codec)
     C.check_choice("part", part, ("key", "value"))
