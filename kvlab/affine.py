@@ -116,35 +116,6 @@ def _pack_rows(b_q, BITS: tl.constexpr):
 
 
 @triton.jit
-def _pack_words(b_q, BITS: tl.constexpr):
-    """Codes ``[M, N]`` (int32 < 2**BITS, N a multiple of 8; BITS 2, 4 or 8) -> ``[M, N / 8]`` words.
-
-    Word w holds codes ``8 w .. 8 w + 7`` (code j at bit ``BITS * j``): exactly the ``BITS`` bytes of
-    the little-endian stream at byte ``BITS * w``, as a uint16 (2 bit), uint32 (4 bit) or uint64 (8 bit).
-    A thread that holds 8 neighbouring codes builds their word in registers and stores it at once.
-    """
-    M: tl.constexpr = b_q.shape[0]
-    N: tl.constexpr = b_q.shape[1]
-    WIDE: tl.constexpr = tl.uint64 if BITS == 8 else tl.uint32
-    b_w = tl.reshape(b_q.to(WIDE), [M, N // 8, 8]) << (tl.arange(0, 8) * BITS).to(WIDE)[None, None, :]
-    b_w = tl.sum(b_w, axis=2)  # the fields do not overlap: the sum is their bitwise or
-    if BITS == 2:
-        return b_w.to(tl.uint16)
-    return b_w
-
-
-@triton.jit
-def _word_pointer(p, BITS: tl.constexpr):
-    """A byte pointer (tensor) as a pointer to the ``BITS``-byte words of ``_pack_words``."""
-    if BITS == 2:
-        return p.to(tl.pointer_type(tl.uint16))
-    elif BITS == 4:
-        return p.to(tl.pointer_type(tl.uint32))
-    else:
-        return p.to(tl.pointer_type(tl.uint64))
-
-
-@triton.jit
 def _unpack_rows(b_p, N: tl.constexpr, BITS: tl.constexpr):
     """Packed lanes ``[M, NB]`` uint8 -> codes ``[M, N]`` int32 (inverse of ``_pack_rows``)."""
     M: tl.constexpr = b_p.shape[0]
@@ -205,7 +176,6 @@ def _pack_token_rows(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_GS: tl.constexpr,  # GROUP_SIZE padded to a power of two
     BLOCK_G: tl.constexpr,  # NUM_GROUPS padded to a power of two
-    ROW_ALIGN: tl.constexpr,  # every row of codes starts at a multiple of ROW_ALIGN bytes (1, 2, 4 or 8)
     CHECK: tl.constexpr,
 ):
     """Encode rows ``[i_r, i_r + BLOCK_ROWS)`` of x into their token-axis codes."""
@@ -213,9 +183,6 @@ def _pack_token_rows(
     GROUP_BYTES: tl.constexpr = GROUP_SIZE * BITS // 8
     INDEX_BYTES: tl.constexpr = NUM_GROUPS * GROUP_BYTES
     NB: tl.constexpr = BLOCK_GS // 8 * (BITS + (BITS == 3))  # packed lanes per group
-    # indices as BITS-byte words of 8 codes when the rows allow it (a group is a whole number of words)
-    WORDS: tl.constexpr = BITS != 3 and ROW_ALIGN % BITS == 0
-    HALVES: tl.constexpr = ROW_ALIGN % 2 == 0 and INDEX_BYTES % 2 == 0  # scales and zeros as fp16 stores
 
     o_r = i_r + tl.arange(0, BLOCK_ROWS)
     o_g = tl.arange(0, BLOCK_G)
@@ -250,39 +217,21 @@ def _pack_token_rows(
     b_q = (b_x - b_z[:, :, None]) * b_inv[:, :, None] + 0.5
     b_q = tl.clamp(b_q, 0.0, LEVELS * 1.0).to(tl.int32)
 
-    if WORDS:
-        # indices: [BLOCK_ROWS * BLOCK_G, BLOCK_GS] -> words [BLOCK_ROWS, BLOCK_G, BLOCK_GS / 8]
-        b_w = tl.reshape(_pack_words(tl.reshape(b_q, [BLOCK_ROWS * BLOCK_G, BLOCK_GS]), BITS), [BLOCK_ROWS, BLOCK_G, BLOCK_GS // 8])
-        o_w = tl.arange(0, BLOCK_GS // 8)
-        m_c = m_s
-        if BLOCK_GS != GROUP_SIZE:
-            m_c = m_c & (o_w < GROUP_SIZE // 8)[None, None, :]
-        p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + (o_w * BITS)[None, :]
-        tl.store(_word_pointer(p_c, BITS), b_w, mask=m_c)
-    else:
-        # indices: [BLOCK_ROWS * BLOCK_G, BLOCK_GS] -> packed lanes [BLOCK_ROWS, BLOCK_G, NB]
-        b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_ROWS * BLOCK_G, BLOCK_GS]), BITS), [BLOCK_ROWS, BLOCK_G, NB])
-        o_b, m_b = _byte_lanes(NB, BITS)
-        m_c = m_s
-        if BITS == 3:
-            m_c = m_c & m_b[None, None, :]
-        if BLOCK_GS != GROUP_SIZE:
-            m_c = m_c & (o_b < GROUP_BYTES)[None, None, :]
-        p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + o_b[None, :]
-        tl.store(p_c, b_p, mask=m_c)
+    # indices: [BLOCK_ROWS * BLOCK_G, BLOCK_GS] -> packed lanes [BLOCK_ROWS, BLOCK_G, NB]
+    b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_ROWS * BLOCK_G, BLOCK_GS]), BITS), [BLOCK_ROWS, BLOCK_G, NB])
+    o_b, m_b = _byte_lanes(NB, BITS)
+    m_c = m_s
+    if BITS == 3:
+        m_c = m_c & m_b[None, None, :]
+    if BLOCK_GS != GROUP_SIZE:
+        m_c = m_c & (o_b < GROUP_BYTES)[None, None, :]
+    p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + o_b[None, :]
+    tl.store(p_c, b_p, mask=m_c)
 
-    # scales then zeros, little-endian fp16
-    if HALVES:  # [BLOCK_ROWS, BLOCK_G] fp16 stores
-        m_h = m_r[:, None]
-        if BLOCK_G != NUM_GROUPS:
-            m_h = m_h & (o_g < NUM_GROUPS)[None, :]
-        p_h = (codes + o_r[:, None] * stride_c + INDEX_BYTES + 2 * o_g[None, :]).to(tl.pointer_type(tl.float16))
-        tl.store(p_h, b_s16, mask=m_h)
-        tl.store(p_h + NUM_GROUPS, b_z16, mask=m_h)
-    else:  # [BLOCK_ROWS, BLOCK_G, 2] bytes
-        p_s = codes + o_r[:, None, None] * stride_c + INDEX_BYTES + 2 * o_g[:, None] + tl.arange(0, 2)[None, :]
-        tl.store(p_s, _fp16_lanes(b_s16), mask=m_s)
-        tl.store(p_s + 2 * NUM_GROUPS, _fp16_lanes(b_z16), mask=m_s)
+    # scales then zeros, little-endian fp16: [BLOCK_ROWS, BLOCK_G, 2]
+    p_s = codes + o_r[:, None, None] * stride_c + INDEX_BYTES + 2 * o_g[:, None] + tl.arange(0, 2)[None, :]
+    tl.store(p_s, _fp16_lanes(b_s16), mask=m_s)
+    tl.store(p_s + 2 * NUM_GROUPS, _fp16_lanes(b_z16), mask=m_s)
 
     if CHECK:
         b_bad = tl.where(tl.abs(b_x) <= FP32_MAX, 0, FLAG_NONFINITE)  # NaN compares false
@@ -363,13 +312,12 @@ def affine_pack_token_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_GS: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
     CHECK: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64)
     _pack_token_rows(
         x, codes, flags + i_r, i_r * BLOCK_ROWS, n_rows, stride_x, stride_c,
-        BITS, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, ROW_ALIGN, CHECK,
+        BITS, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK,
     )  # fmt: skip
 
 
@@ -421,7 +369,6 @@ def affine_pack_mixed_kernel(
     BLOCK_GS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     ALIGN: tl.constexpr,  # every head offset is a multiple of ALIGN bytes (a power of two <= 16)
-    ROW_ALIGN: tl.constexpr,  # every head's code in every row starts at a multiple of ROW_ALIGN bytes
     CHECK: tl.constexpr,
 ):
     # one program: BLOCK_ROWS tokens of one head; heads vary fastest, so neighbouring programs
@@ -435,16 +382,16 @@ def affine_pack_mixed_kernel(
     # the width is uniform over the program: one branch runs, compiled for its constexpr BITS
     if b_bits == 2:
         _pack_token_rows(p_x, p_c, flags + i_p, o_r, n_tokens, stride_x_t, stride_c,
-                         2, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, ROW_ALIGN, CHECK)  # fmt: skip
+                         2, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK)  # fmt: skip
     elif b_bits == 3:
         _pack_token_rows(p_x, p_c, flags + i_p, o_r, n_tokens, stride_x_t, stride_c,
-                         3, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, ROW_ALIGN, CHECK)  # fmt: skip
+                         3, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK)  # fmt: skip
     elif b_bits == 4:
         _pack_token_rows(p_x, p_c, flags + i_p, o_r, n_tokens, stride_x_t, stride_c,
-                         4, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, ROW_ALIGN, CHECK)  # fmt: skip
+                         4, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK)  # fmt: skip
     else:
         _pack_token_rows(p_x, p_c, flags + i_p, o_r, n_tokens, stride_x_t, stride_c,
-                         8, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, ROW_ALIGN, CHECK)  # fmt: skip
+                         8, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK)  # fmt: skip
 
 
 @triton.jit
@@ -506,16 +453,12 @@ def affine_pack_channel_kernel(
     BLOCK_CODES: tl.constexpr,
     BLOCK_GS: tl.constexpr,  # GROUP_SIZE padded to a power of two
     BLOCK_D: tl.constexpr,  # DIM padded to a power of two
-    ALIGN: tl.constexpr,  # codes starts at a multiple of ALIGN bytes (1, 2, 4 or 8)
     CHECK: tl.constexpr,
 ):
     LEVELS: tl.constexpr = (1 << BITS) - 1
     ROW_BYTES: tl.constexpr = DIM * BITS // 8
     CODE_BYTES: tl.constexpr = GROUP_SIZE * ROW_BYTES + 4 * DIM
     NB: tl.constexpr = BLOCK_D // 8 * (BITS + (BITS == 3))  # packed lanes per token row
-    # a token row's indices as BITS-byte words of 8 codes (rows and codes are whole numbers of words)
-    WORDS: tl.constexpr = BITS != 3 and ALIGN % BITS == 0 and CODE_BYTES % BITS == 0
-    HALVES: tl.constexpr = ALIGN % 2 == 0  # scales and zeros as fp16 stores (CODE_BYTES and ROW_BYTES are even)
 
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_CODES + tl.arange(0, BLOCK_CODES)
@@ -550,40 +493,24 @@ def affine_pack_channel_kernel(
     b_q = (b_x - b_z[:, None, :]) * b_inv[:, None, :] + 0.5
     b_q = tl.clamp(b_q, 0.0, LEVELS * 1.0).to(tl.int32)
 
-    # each token row packs along the channels
+    # each token row packs along the channels: [BLOCK_CODES, BLOCK_GS, NB]
+    b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_CODES * BLOCK_GS, BLOCK_D]), BITS), [BLOCK_CODES, BLOCK_GS, NB])
+    o_b, m_b = _byte_lanes(NB, BITS)
     m_c = m_n[:, None, None]
     if BLOCK_GS != GROUP_SIZE:
         m_c = m_c & (o_t < GROUP_SIZE)[None, :, None]
-    if WORDS:  # [BLOCK_CODES, BLOCK_GS, BLOCK_D / 8] words
-        b_w = tl.reshape(_pack_words(tl.reshape(b_q, [BLOCK_CODES * BLOCK_GS, BLOCK_D]), BITS), [BLOCK_CODES, BLOCK_GS, BLOCK_D // 8])
-        o_w = tl.arange(0, BLOCK_D // 8)
-        if BLOCK_D != DIM:
-            m_c = m_c & (o_w < DIM // 8)[None, None, :]
-        p_c = codes + (o_n * CODE_BYTES)[:, None, None] + (o_t * ROW_BYTES)[:, None] + (o_w * BITS)[None, :]
-        tl.store(_word_pointer(p_c, BITS), b_w, mask=m_c)
-    else:  # [BLOCK_CODES, BLOCK_GS, NB] byte lanes
-        b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_CODES * BLOCK_GS, BLOCK_D]), BITS), [BLOCK_CODES, BLOCK_GS, NB])
-        o_b, m_b = _byte_lanes(NB, BITS)
-        if BITS == 3:
-            m_c = m_c & m_b[None, None, :]
-        if BLOCK_D != DIM:
-            m_c = m_c & (o_b < ROW_BYTES)[None, None, :]
-        p_c = codes + (o_n * CODE_BYTES)[:, None, None] + (o_t * ROW_BYTES)[:, None] + o_b[None, :]
-        tl.store(p_c, b_p, mask=m_c)
+    if BITS == 3:
+        m_c = m_c & m_b[None, None, :]
+    if BLOCK_D != DIM:
+        m_c = m_c & (o_b < ROW_BYTES)[None, None, :]
+    p_c = codes + (o_n * CODE_BYTES)[:, None, None] + (o_t * ROW_BYTES)[:, None] + o_b[None, :]
+    tl.store(p_c, b_p, mask=m_c)
 
-    # DIM scales then DIM zeros, little-endian fp16
+    # DIM scales then DIM zeros, little-endian fp16: [BLOCK_CODES, BLOCK_D, 2]
     o_s = o_n * CODE_BYTES + GROUP_SIZE * ROW_BYTES  # first scale byte of each code
-    if HALVES:  # [BLOCK_CODES, BLOCK_D] fp16 stores
-        m_h = m_n[:, None]
-        if BLOCK_D != DIM:
-            m_h = m_h & (o_d < DIM)[None, :]
-        p_h = (codes + o_s[:, None] + 2 * o_d[None, :]).to(tl.pointer_type(tl.float16))
-        tl.store(p_h, b_s16, mask=m_h)
-        tl.store(p_h + DIM, b_z16, mask=m_h)
-    else:  # [BLOCK_CODES, BLOCK_D, 2] bytes
-        p_s = codes + o_s[:, None, None] + 2 * o_d[:, None] + tl.arange(0, 2)[None, :]
-        tl.store(p_s, _fp16_lanes(b_s16), mask=m_s)
-        tl.store(p_s + 2 * DIM, _fp16_lanes(b_z16), mask=m_s)
+    p_s = codes + o_s[:, None, None] + 2 * o_d[:, None] + tl.arange(0, 2)[None, :]
+    tl.store(p_s, _fp16_lanes(b_s16), mask=m_s)
+    tl.store(p_s + 2 * DIM, _fp16_lanes(b_z16), mask=m_s)
 
     if CHECK:
         b_bad = tl.where(tl.abs(b_x) <= FP32_MAX, 0, FLAG_NONFINITE)
@@ -697,11 +624,6 @@ def _raise_flags(flags: torch.Tensor) -> None:
         raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
 
 
-def _alignment(*sizes: int) -> int:
-    """The largest of 8, 4, 2, 1 that divides every one of ``sizes`` (addresses and strides in bytes)."""
-    return next(a for a in (8, 4, 2, 1) if all(n % a == 0 for n in sizes))
-
-
 def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMENTS) -> int:
     return block if block is not None else max(1, min(128, tile // row_elements))
 
@@ -724,7 +646,8 @@ def pack_affine(
     to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input or fp16-overflowing
     groups (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
     ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two
-    (default: about 4096 elements per program on the token axis, 16384 on the channel axis, 4 codes of 32 x 128).
+    (default: about 4096 elements per program on the token axis, 16384 on the channel axis, 4 codes of
+    32 x 128; the fastest on an H200).
     """
     _check_codec(bits, group_size, axis)
     _check_tunables("block_rows", block_rows, num_warps)
@@ -753,8 +676,7 @@ def pack_affine(
             x, codes, flags,
             n_rows, dim, code_bytes,
             BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
-            BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g,
-            ROW_ALIGN=_alignment(codes.data_ptr(), code_bytes), CHECK=check,
+            BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, CHECK=check,
             num_warps=num_warps, enable_fp_fusion=False,
         )  # fmt: skip
     else:
@@ -771,7 +693,7 @@ def pack_affine(
             x, codes, flags,
             n_codes,
             BITS=bits, GROUP_SIZE=group_size, DIM=dim,
-            BLOCK_CODES=block_codes, BLOCK_GS=block_gs, BLOCK_D=block_d, ALIGN=_alignment(codes.data_ptr()), CHECK=check,
+            BLOCK_CODES=block_codes, BLOCK_GS=block_gs, BLOCK_D=block_d, CHECK=check,
             num_warps=num_warps, enable_fp_fusion=False,
         )  # fmt: skip
     if check:
@@ -954,8 +876,7 @@ def pack_affine_mixed(
         x3, codes, head_bits, head_offsets, flags,
         n_tokens, layout.num_heads, x3.stride(0), x3.stride(1), layout.bytes_per_token,
         GROUP_SIZE=layout.group_size, NUM_GROUPS=layout.dim // layout.group_size,
-        BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, ALIGN=layout.align,
-        ROW_ALIGN=_alignment(codes.data_ptr(), layout.bytes_per_token, layout.align), CHECK=check,
+        BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, ALIGN=layout.align, CHECK=check,
         num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     if check:

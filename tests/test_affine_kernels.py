@@ -247,7 +247,7 @@ def test_mixed_bytes_shrink():
         ([2, 3, 4, 8, 4], 64, 32, (3, 37), torch.bfloat16),
         ([8, 2, 2], 256, 128, (1,), torch.float32),
         ([3], 128, 64, (45,), torch.float16),
-        ([3, 4, 8, 2], 8, 8, (29,), torch.float16),  # odd head offsets (7, 15, 27): byte stores, no words
+        ([3, 4, 8, 2], 8, 8, (29,), torch.float16),  # odd head offsets (7, 15, 27)
     ],
 )
 def test_mixed_matches_per_head_reference(bit_alloc, dim, group_size, lead, dtype, monkeypatch):
