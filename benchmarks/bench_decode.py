@@ -4,8 +4,9 @@ One run: optionally runs ``tests/test_decode.py`` compiled on this GPU (or recor
 just before), measures the device copy bandwidth, checks ``decode_attention`` against the reference at
 a few thousand tokens, sweeps a few launch configurations at the headline shape (batch 8, context 32k),
 then times every grid point: batch 1/8/32 x context 1k/4k/16k/32k/128k, 32 query heads, 8 KV heads,
-head dim 128, for the MSE codec at K4V4, K3V3, K2V2 and the affine codec (groups of 32) at K4V4 and
-K8V8, against ``scaled_dot_product_attention`` in fp16 over an unquantized contiguous cache of the same
+head dim 128, for the MSE codec at K4V4, K3V3, K2V2, the centred-key MSE codec at K4V4 (keys around a
+RoPE-turned mean: one more score term per key, ``rope_mean_scores``) and the affine codec (groups of
+32) at K4V4 and K8V8, against ``scaled_dot_product_attention`` in fp16 over an unquantized contiguous cache of the same
 shape, timed in the same run (the query group of a KV head is SDPA's query axis, so no head is copied).
 
 Timings are medians of ``triton.testing.do_bench`` of the whole entry point (query rotation GEMM,
@@ -42,7 +43,7 @@ HQ, HKV, DIM, BLOCK = 32, 8, 128, 16
 BATCHES = (1, 8, 32)
 CONTEXTS = (1024, 4096, 16384, 32768, 131072)
 HEADLINE = (8, 32768)
-CODECS = [("mse", 4, 4), ("mse", 3, 3), ("mse", 2, 2), ("affine", 4, 4), ("affine", 8, 8)]
+CODECS = [("mse", 4, 4), ("mse", 3, 3), ("mse", 2, 2), ("centered", 4, 4), ("affine", 4, 4), ("affine", 8, 8)]
 GROUP = 32
 TARGETS = {("mse", 4, 4): 3.0, ("mse", 3, 3): 3.5, ("mse", 2, 2): 4.5}
 SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages=1),
@@ -63,6 +64,15 @@ def copy_bandwidth(nbytes=4 << 30):
 
 
 def codecs(kind, kb, vb):
+    if kind == "centered":  # keys around a per-channel mean that turns with RoPE (theta 1e4), unit scale
+        from kvlab.calibration import RoPE
+        from kvlab.centered_reference import CenteredMSECodec
+
+        g = torch.Generator().manual_seed(2)
+        rope = RoPE(1.0 / 10000 ** (torch.arange(0, DIM, 2, dtype=torch.float64) / DIM))
+        kc = CenteredMSECodec(DIM, kb, torch.randn(HKV, DIM, generator=g), torch.rand(HKV, DIM, generator=g) + 0.5,
+                              seed=0, rope=rope)
+        return kc, kvlab.MSECodec(DIM, vb, seed=1), kvlab.MSESlot(DIM, kb, vb)
     if kind == "mse":
         return kvlab.MSECodec(DIM, kb, seed=0), kvlab.MSECodec(DIM, vb, seed=1), kvlab.MSESlot(DIM, kb, vb)
     return kvlab.AffineCodec(kb, GROUP), kvlab.AffineCodec(vb, GROUP), AffineSlot(DIM, kb, vb, GROUP)
@@ -77,7 +87,7 @@ def random_cache(kind, layout, batch, context):
     """Random codes in shuffled blocks; norms (MSE) or scales and zeros (affine) set to valid fp16 values."""
     num_blocks = batch * context // BLOCK
     cache = torch.randint(0, 256, (num_blocks, BLOCK, HKV, layout.slot_bytes), dtype=torch.uint8, device="cuda")
-    if kind == "mse":
+    if kind in ("mse", "centered"):
         for at in (layout.key_norm_offset, layout.value_norm_offset):
             cache[..., at : at + 2] = torch.tensor(fp16_bytes(1.0), dtype=torch.uint8, device="cuda")
     else:
@@ -112,6 +122,8 @@ def correctness_checks():
             value = torch.randn(n, HKV, DIM, device="cuda", generator=g, dtype=torch.float16)
             if kind == "mse":
                 kvlab.store_mse(key, value, slots, cache, kc, vc)
+            elif kind == "centered":
+                kvlab.store_centered_mse(key, value, slots, cache, kc, vc, positions=t)
             else:
                 kvlab.decode.store_affine_slots(key, value, slots, cache, kc, vc)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")

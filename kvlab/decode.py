@@ -96,6 +96,7 @@ from .mse import _cached, load_mse  # per-codec device tables, rebuilt when the 
 __all__ = [
     "AffineSlot",
     "decode_attention",
+    "rope_mean_scores",
     "prefill_attention",
     "rotate_attention_output",
     "store_affine_slots",
@@ -375,13 +376,14 @@ def _load_norm(cache_ptr, o_at, m_n):
 def _attend_tile(
     cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
     tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
-    o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g,
     BLOCK_SIZE: tl.constexpr, D: tl.constexpr, AFFINE: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
     KEY_NORM_OFFSET: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_NORM_OFFSET: tl.constexpr,
-    VALUE_ALIGN4: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    VALUE_ALIGN4: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """One step of the split loop: keys ``o_n`` ([BLOCK_N] positions, valid below ``end``) update the
-    running maximum ``b_m``, sum ``b_l`` and output ``b_acc`` of the query group ``b_q``."""
+    running maximum ``b_m``, sum ``b_l`` and output ``b_acc`` of the query group ``b_q`` (``HAS_BIAS``:
+    plus a per-row, per-position score term read at ``bias_ptr + o_bias[row] + position``)."""
     m_n = o_n < end
     b_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
     o_slot = b_blk * stride_block + (o_n % BLOCK_SIZE) * stride_pos + i_h * stride_head  # [BN] int64
@@ -397,6 +399,8 @@ def _attend_tile(
             b_k, b_ke = _mse_tile_generic(cache_ptr, o_slot, m_n, key_cent_ptr, BLOCK_N, D, BITS_K)
         b_kn = _load_norm(cache_ptr, o_slot + KEY_NORM_OFFSET, m_n)
         b_s = tl.dot(b_q, tl.trans(b_k)) * (b_kn * tl.math.rsqrt(tl.maximum(b_ke, 1e-24)))[None, :]
+    if HAS_BIAS:  # centred keys with a turning mean: q . RoPE_n(mean), one fp32 per query row and position
+        b_s += tl.load(bias_ptr + o_bias[:, None] + o_n[None, :], mask=m_g[:, None] & m_n[None, :], other=0.0)
     b_s = tl.where(m_n[None, :], b_s, float("-inf"))
 
     # ---- online softmax (base 2: log2(e) is folded into q)
@@ -434,6 +438,7 @@ def _decode_split_kernel(
     value_cent_ptr,  # fp32 [2**BITS_V]
     o_part_ptr,  # fp32 [batch, HQ, num_splits, D]: unnormalised partial outputs (value tile order)
     ml_part_ptr,  # fp32 [batch, HQ, num_splits, 2]: running maximum (base 2) and sum
+    bias_ptr,  # fp32 [batch, HQ, stride_bias] (HAS_BIAS): score term per query row and key position
     # byte-plane tables of the fp16 centroids (fast MSE path)
     tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
     # sizes and strides
@@ -443,6 +448,7 @@ def _decode_split_kernel(
     stride_block,
     stride_pos,
     stride_head,
+    stride_bias,
     # settings
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -459,6 +465,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,  # query rows per program: the group, padded to 16
     BLOCK_N: tl.constexpr,
     FAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SPLIT_STEPS: tl.constexpr,  # interpreter only: split_len // BLOCK_N
 ):
@@ -475,6 +482,7 @@ def _decode_split_kernel(
     m_g = o_g < G
     o_q = (i_b * HQ + i_h * G + o_g).to(tl.int64)  # [BG] query rows of this KV head
     b_q = tl.load(q_ptr + o_q[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.0)  # [BG, D] fp16
+    o_bias = o_q * stride_bias  # [BG] first bias of each query row (HAS_BIAS)
 
     b_m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
     b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -487,17 +495,17 @@ def _decode_split_kernel(
                 b_m, b_l, b_acc = _attend_tile(
                     cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
                     tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
-                    n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                    n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g,
                     BLOCK_SIZE, D, AFFINE, BITS_K, BITS_V, GROUP, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
-                    VALUE_ALIGN4, BLOCK_N, FAST)
+                    VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS)
     else:
         for n0 in range(start, end, BLOCK_N):
             b_m, b_l, b_acc = _attend_tile(
                 cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
                 tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
-                n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g,
                 BLOCK_SIZE, D, AFFINE, BITS_K, BITS_V, GROUP, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
-                VALUE_ALIGN4, BLOCK_N, FAST)
+                VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS)
 
     o_part = (o_q * num_splits + i_s)  # [BG]
     tl.store(o_part_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None])
@@ -582,9 +590,23 @@ def _is_affine(codec) -> bool:
     return all(hasattr(codec, a) for a in ("bits", "group_size", "axis")) and not hasattr(codec, "centroids")
 
 
+def _is_centered(codec) -> bool:
+    return all(hasattr(codec, a) for a in ("mse", "mean", "scale", "rope", "num_heads")) and _is_mse(codec.mse)
+
+
 def _check_codecs(key_codec, value_codec, dim: int) -> str:
     """``"mse"`` or ``"affine"``; raises for anything else or for a mix."""
     kinds = []
+    if _is_centered(key_codec):
+        shape = (key_codec.num_heads, dim)
+        for attr in ("mean", "scale"):
+            t = getattr(key_codec, attr)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ValueError(f"key_codec.{attr} must be a tensor of shape {shape} (num_kv_heads, dim)")
+        rope = key_codec.rope
+        if rope is not None and getattr(rope, "dim", None) != dim:
+            raise ValueError(f"key_codec.rope must rotate {dim} channels, got {getattr(rope, 'dim', None)}")
+        key_codec = key_codec.mse
     for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
         if _is_mse(codec):
             C.check_int(f"{name}.bits", codec.bits, MSE_BITS)
@@ -602,7 +624,8 @@ def _check_codecs(key_codec, value_codec, dim: int) -> str:
                 raise ValueError(f"{name}.group_size must be a power of two >= 16 dividing dim={dim}, got {gs}")
             kinds.append("affine")
         else:
-            raise TypeError(f"{name} must be a kvlab.MSECodec or kvlab.AffineCodec, got {type(codec).__name__}")
+            allowed = "kvlab.MSECodec, a centred MSE codec (keys) or kvlab.AffineCodec"
+            raise TypeError(f"{name} must be a {allowed}, got {type(codec).__name__}")
         if _is_mse(codec) and codec.dim != dim:
             raise ValueError(f"{name}.dim ({codec.dim}) must equal q's last dimension ({dim})")
     if kinds[0] != kinds[1]:
@@ -676,6 +699,38 @@ def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
     return (output.reshape(-1, shape[-1]).float() @ rot.T).reshape(shape)
 
 
+def _rope_table(key_codec, length: int, offset: int, device) -> torch.Tensor:
+    """fp32 ``[length, dim]``: ``[cos | sin]`` of positions ``offset ..`` at the RoPE frequencies (one half each).
+
+    Computed in float64 on the CPU (``RoPE.tables``), cached per codec, device and offset, grown in powers of two.
+    """
+    def build(_, n):
+        cos, sin = key_codec.rope.tables(torch.arange(offset, offset + n))
+        half = key_codec.dim // 2
+        return torch.cat([cos[:, :half], sin[:, :half]], 1).to(device=device, dtype=torch.float32).contiguous()
+
+    n = max(256, triton.next_power_of_2(length))
+    return _cached(key_codec, ("rope_table", device, offset, n), key_codec.mean, lambda m: build(m, n))[:length]
+
+
+def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: int = 0) -> torch.Tensor:
+    """fp32 ``[batch, num_q_heads, length]``: ``q . RoPE_n(mean[h])`` for positions ``n = position_offset + t``.
+
+    The score term of a centred key codec with ``rope`` that the centred keys leave out (``kvlab.centered``):
+    with ``a = q * mean`` and ``b = q * rotate_half(mean)`` folded onto the ``dim / 2`` frequencies, it is
+    ``[a | b] @ [cos | sin]^T``, one GEMM against a per-position table shared by all heads. Query head
+    ``i`` uses KV head ``i // (num_q_heads / num_heads)``.
+    """
+    batch, num_q_heads, dim = q.shape
+    half = dim // 2
+    mean = _device_table(key_codec, "mean", q.device, lambda m: m.to(torch.float32).contiguous())
+    mean = mean.repeat_interleave(num_q_heads // key_codec.num_heads, 0)  # [HQ, D]
+    rot_half = torch.cat([-mean[:, half:], mean[:, :half]], 1)
+    a, b = q.float() * mean, q.float() * rot_half
+    ab = torch.cat([a[..., :half] + a[..., half:], b[..., :half] + b[..., half:]], -1)  # [B, HQ, D]
+    return ab @ _rope_table(key_codec, length, position_offset, q.device).T
+
+
 def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, batch * num_kv_heads))
@@ -697,6 +752,7 @@ def decode_attention(
     num_stages: int | None = None,
     fast: bool | None = None,
     check: bool = True,
+    position_offset: int = 0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged quantized cache: ``[batch, num_q_heads, dim]``.
 
@@ -712,6 +768,13 @@ def decode_attention(
     (default: on when compiled for a GPU) picks the ``prmt`` lookup over the generic unpack.
     ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
     ``check=False`` never syncs and reads whatever blocks the table names.
+
+    Centred keys (``key_codec`` a ``kvlab.centered_reference.CenteredMSECodec`` with ``num_heads =
+    num_kv_heads``, MSE values): the cache is the same MSE cache (``store_centered_mse`` writes it). The
+    query is scaled by the key scale of its KV head before its rotation; with ``rope`` every score also
+    gets ``q . RoPE_n(mean)`` (``rope_mean_scores``, one GEMM per call, read by the kernel per key),
+    token ``t`` of a sequence being at position ``n = position_offset + t``; without ``rope`` the mean's
+    term is the same for every key, and the softmax drops it.
     """
     C.check_tensor("q", q, (torch.float16, torch.bfloat16))
     if q.dim() != 3:
@@ -720,10 +783,16 @@ def decode_attention(
     if dim not in DIMS:
         raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
     kind = _check_codecs(key_codec, value_codec, dim)
+    centered = key_codec if _is_centered(key_codec) else None
+    if centered is not None:
+        key_codec = centered.mse
+        C.check_int("position_offset", position_offset, minimum=0)
     layout = _slot_layout(kind, dim, key_codec, value_codec)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, check)
+    if centered is not None and centered.num_heads != num_kv_heads:
+        raise ValueError(f"key_codec.num_heads ({centered.num_heads}) must equal the cache's num_kv_heads ({num_kv_heads})")
     if scale is None:
         scale = dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
@@ -758,7 +827,11 @@ def decode_attention(
                         lambda r: r.to(device=device, dtype=torch.float32)[:, tile_order(key_codec.bits, dim).to(device)].contiguous())
         order_v = _cached(value_codec, ("tile_order", device), value_codec.centroids,
                           lambda _: tile_order(value_codec.bits, dim).to(device=device, dtype=torch.int32))
-        q_in = q.float() @ rot_k
+        q_in = q.float()
+        if centered is not None:  # q . (scale * z) = (q * scale) . z: scale the query, not the keys
+            key_scale = _device_table(centered, "scale", device, lambda t: t.to(torch.float32).contiguous())
+            q_in = q_in * key_scale.repeat_interleave(G, 0)
+        q_in = q_in @ rot_k
         cent_k = _device_table(key_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
         cent_v = _device_table(value_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
         offsets = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
@@ -772,6 +845,9 @@ def decode_attention(
         offsets = dict(KEY_NORM_OFFSET=0, VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=0,
                        VALUE_ALIGN4=True, GROUP=key_codec.group_size)
     q_in = (q_in * (scale * LOG2E)).to(torch.float16).contiguous()
+    bias = None
+    if centered is not None and centered.rope is not None:
+        bias = (rope_mean_scores(q, centered, capacity, position_offset) * (scale * LOG2E)).contiguous()
 
     o_part = torch.empty(batch, num_q_heads, num_splits, dim, dtype=torch.float32, device=device)
     ml_part = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
@@ -782,12 +858,15 @@ def decode_attention(
     with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
         _decode_split_kernel[(batch * num_kv_heads, num_splits)](
             q_in, cache, block_table, seq_lens, cent_k, cent_v, o_part, ml_part,
+            o_part if bias is None else bias,  # not read without a bias
             *tables_k, *tables_v,
             split_len, num_splits,
             block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
+            0 if bias is None else bias.stride(1),
             HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=block_size, D=dim, AFFINE=kind == "affine",
             BITS_K=key_codec.bits, BITS_V=value_codec.bits, **offsets,
-            BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, INTERPRETED=interpreted,
+            BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
+            INTERPRETED=interpreted,
             SPLIT_STEPS=split_len // block_n if interpreted else 0,
             num_warps=num_warps, **extra,
         )  # fmt: skip
@@ -873,6 +952,10 @@ def prefill_attention(
     if dim not in DIMS:
         raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
     kind = _check_codecs(key_codec, value_codec, dim)
+    centered = key_codec if _is_centered(key_codec) else None
+    if centered is not None:
+        key_codec = centered.mse
+        C.check_int("position_offset", position_offset, minimum=0)
     layout = _slot_layout(kind, dim, key_codec, value_codec)
     num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, True)
     if bool((seq_lens < q_len).any()):

@@ -328,11 +328,12 @@ def write_affine_slots(cache, slot_mapping, key, value, key_codec: AffineCodec, 
     cache.view(num_blocks * block_size, num_heads, slot_bytes)[slot_mapping[keep].long()] = codes[keep]
 
 
-def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec):
+def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec, position_offset: int = 0):
     """Model-space fp32 keys and values of each sequence: a list of ``(K, V)`` ``[seq_len, num_kv_heads, dim]``.
 
-    ``MSECodec`` codecs read the cache of ``kvlab.layout``; ``AffineCodec`` codecs (token axis) the paged
-    affine cache (``key code | value code`` per slot).
+    ``MSECodec`` codecs read the cache of ``kvlab.layout``, as does a centred key codec
+    (``kvlab.centered_reference.CenteredMSECodec``, token ``t`` at position ``position_offset + t``);
+    ``AffineCodec`` codecs (token axis) the paged affine cache (``key code | value code`` per slot).
     """
     num_blocks, block_size, num_heads, slot_bytes = cache.shape
     flat = cache.reshape(num_blocks * block_size, num_heads, slot_bytes)
@@ -342,7 +343,12 @@ def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec):
         t = torch.arange(n, device=cache.device)
         slots = block_table[b].long()[t // block_size] * block_size + t % block_size
         codes = flat[slots]
-        if isinstance(key_codec, MSECodec):
+        if hasattr(key_codec, "mse"):  # centred keys: the MSE code of (k - mean) / scale
+            kb = key_codec.nbytes
+            positions = (t + position_offset) if key_codec.rope is not None else None
+            k = key_codec.decode(codes[..., :kb], space="model", positions=positions)
+            v = value_codec.decode(codes[..., kb:], space="model")
+        elif isinstance(key_codec, MSECodec):
             kb = key_codec.nbytes
             k = key_codec.decode(codes[..., :kb], space="model")
             v = value_codec.decode(codes[..., kb:], space="model")
@@ -375,13 +381,14 @@ def _attend(q, k, v, scale, causal_from=None):
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
 
 
-def decode_attention_reference(q, cache, block_table, seq_lens, key_codec, value_codec, scale=None) -> torch.Tensor:
+def decode_attention_reference(q, cache, block_table, seq_lens, key_codec, value_codec, scale=None,
+                               position_offset: int = 0) -> torch.Tensor:
     """fp32 ``[batch, num_q_heads, dim]``: attention of ``q [batch, num_q_heads, dim]`` over the dequantized cache.
 
     Computed in fp64 from ``dequantize_paged`` (model space), rounded to fp32 once.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    seqs = dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec)
+    seqs = dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec, position_offset)
     out = [_attend(q[b : b + 1].float(), k, v, scale)[0] for b, (k, v) in enumerate(seqs)]
     return torch.stack(out).float() if out else q.new_zeros(q.shape, dtype=torch.float32)
 

@@ -104,6 +104,61 @@ def test_mse_decode_matches_reference(case, fast, device):
     assert rel_err(out, expected) <= TOL
 
 
+# batch lengths, q heads, kv heads, dim, key bits, value bits, block size, rotation, mean turns with RoPE, position offset
+CENTERED_CASES = [
+    ([37, 100, 1], 8, 2, 128, 4, 3, 16, "haar", True, 0),
+    ([45, 130], 6, 2, 64, 3, 3, 8, "hadamard", True, 5),  # GQA ratio 3 (SmolLM2), tokens after 5 kept elsewhere
+    ([77], 4, 1, 64, 2, 4, 16, "haar", False, 0),  # a constant mean: the softmax drops its term
+]
+CENTERED_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-k{c[4]}v{c[5]}-{c[7]}{'-rope' if c[8] else ''}-off{c[9]}"
+                for c in CENTERED_CASES]
+
+
+def centered_setup(case, device, seed=0):
+    """Keys with a large per-channel mean (turned by RoPE at their positions) in a centred-key MSE cache."""
+    from kvlab.calibration import RoPE
+    from kvlab.centered_reference import CenteredMSECodec
+
+    lens, hq, hkv, dim, kb, vb, block_size, rotation, rope, offset = case
+    g = torch.Generator().manual_seed(seed + 7)
+    mean, spread = torch.randn(hkv, dim, generator=g) * 3, torch.exp(torch.randn(hkv, dim, generator=g))
+    rope = RoPE(1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)) if rope else None
+    kc = CenteredMSECodec(dim, kb, mean, spread, rotation=rotation, seed=3, rope=rope)
+    vc = kvlab.MSECodec(dim, vb, rotation=rotation, seed=4)
+    layout = kvlab.MSESlot(dim, kb, vb)
+
+    def write(c, slots, k, v):
+        positions = torch.arange(offset, offset + k.shape[0])
+        k = kc.mean_rows(positions, (k.shape[0],)) + spread * k  # keys around their (turning) mean
+        ref.write_slots(c, slots, kc.encode(k, positions if rope is not None else None), vc.encode(v), layout)
+
+    cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device, seed)
+    q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(seed + 1)).to(device) * 0.3
+    return q, cache, block_table, seq_lens, kc, vc, offset
+
+
+@pytest.mark.parametrize("fast", FAST)
+@pytest.mark.parametrize("case", CENTERED_CASES, ids=CENTERED_IDS)
+def test_centered_decode_matches_reference(case, fast, device):
+    q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(case, device)
+    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, position_offset=offset)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    assert rel_err(out, expected) <= TOL
+    # the same codes read as plain MSE keys (no scale, no mean) attend elsewhere: the test can tell
+    plain = decode_attention(q.half(), cache, block_table, seq_lens, kc.mse, vc, fast=fast, num_splits=2)
+    assert rel_err(plain, expected) > 10 * TOL
+
+
+def test_rope_mean_scores_are_the_query_against_the_turned_mean(device):
+    q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(CENTERED_CASES[1], device)
+    scores = kvlab.decode.rope_mean_scores(q, kc, 50, position_offset=offset)
+    turned = kc.mean_rows(torch.arange(offset, offset + 50), (50,))  # [50, hkv, dim] fp32
+    expected = torch.einsum("bhgd,nhd->bhgn", q.cpu().double().view(q.shape[0], kc.num_heads, -1, q.shape[-1]),
+                            turned.double()).reshape(q.shape[0], q.shape[1], 50)
+    assert rel_err(scores.cpu(), expected) <= 1e-5
+
+
 @pytest.mark.parametrize("case", AFFINE_CASES, ids=AFFINE_IDS)
 def test_affine_decode_matches_reference(case, device):
     q, cache, block_table, seq_lens, kc, vc = affine_setup(case, device)
@@ -230,7 +285,7 @@ def test_bad_inputs(good, device):
         call(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta"))
     with pytest.raises(TypeError, match="same kind of codec"):
         call(value_codec=kvlab.AffineCodec(4, 32))
-    with pytest.raises(TypeError, match="key_codec must be a kvlab.MSECodec or kvlab.AffineCodec"):
+    with pytest.raises(TypeError, match=r"key_codec must be a kvlab.MSECodec, a centred MSE codec \(keys\) or kvlab.AffineCodec"):
         call(key_codec="mse")
     with pytest.raises(ValueError, match="key_codec.bits"):
         call(key_codec=kvlab.AffineCodec(2, 32), value_codec=kvlab.AffineCodec(2, 32))
@@ -256,3 +311,18 @@ def test_bad_prefill_inputs(good):
         prefill_attention(q.half(), cache, block_table, seq_lens, kc, vc)
     with pytest.raises(ValueError, match="seq_lens must be >= q_len"):
         prefill_attention(q4.expand(-1, 6, -1, -1).contiguous(), cache, block_table, seq_lens, kc, vc)
+
+
+def test_bad_centered_inputs(device):
+    q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(CENTERED_CASES[1], device)
+    with pytest.raises(ValueError, match="position_offset must be >= 0"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=-1)
+    with pytest.raises(TypeError, match="position_offset must be an int"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=1.5)
+    from kvlab.centered_reference import CenteredMSECodec
+
+    three = CenteredMSECodec(kc.dim, kc.bits, torch.zeros(3, kc.dim), torch.ones(3, kc.dim), rope=kc.rope)
+    with pytest.raises(ValueError, match=r"key_codec.num_heads \(3\) must equal the cache's num_kv_heads \(2\)"):
+        decode_attention(q.half(), cache, block_table, seq_lens, three, vc)
+    with pytest.raises(TypeError, match="value_codec must be a kvlab.MSECodec"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, kc)
