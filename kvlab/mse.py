@@ -24,7 +24,10 @@ What
     centroids (a table of at most 16 floats, one cache line), optionally renormalise the centroid
     vector (norm correction, an approximate reciprocal square root: within fp16 precision of the
     reference), multiply by the stored fp16 norm. ``space="rotated"`` returns that (what attention in
-    rotated space consumes); ``space="model"`` follows it with one batched GEMM by ``R.T``.
+    rotated space consumes). ``space="model"`` rotates back by ``R.T``: for fp16/bf16 outputs (dims up
+    to 128) inside the kernel, one tensor-core product of the fp16 tile by an fp16 ``R.T`` per program (fp32
+    accumulation; the error is of the order of the output's fp16 rounding); for fp32 outputs the
+    kernel writes the rotated rows and one batched fp32 GEMM follows (the reference's product).
 
 Tiling
     Store: one row per thread (``block_rows = 32 * num_warps`` by default); rows longer than 128
@@ -407,6 +410,7 @@ def _load_mse_kernel(
     cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
     slot_ptr,  # int32/int64 [num_tokens]
     cent_ptr,  # fp32 [2**BITS]: centroids
+    rt_ptr,  # fp16 [8 BLOCK_G, 8 BLOCK_G]: R^T zero-padded (MODEL only)
     out_ptr,  # [num_rows, D] out dtype; row = token * NUM_HEADS + head
     # sizes and strides
     num_rows,
@@ -428,6 +432,7 @@ def _load_mse_kernel(
     NORM_ALIGNED: tl.constexpr,  # every norm starts 2-byte aligned
     NORM_CORRECTION: tl.constexpr,
     BF16_BY_BITS: tl.constexpr,  # round fp32 -> bf16 with integer ops (interpreter only)
+    MODEL: tl.constexpr,  # rotate back to model space in the kernel: one fp16 product by R^T per tile
 ):
     # A thread decodes groups of 8 elements: BITS bytes of code in, 16 bytes of fp16 out.
     i_p = tl.program_id(0).to(tl.int64)
@@ -476,6 +481,11 @@ def _load_mse_kernel(
     else:
         b_scale = b_norm
     b_out = tl.permute(b_c * b_scale[None, :, None], (1, 0, 2))  # [BR, BG, 8]; rows not read: 0
+    o_d = tl.arange(0, 8 * BLOCK_G)
+    if MODEL:  # y R^T on the tensor cores: fp16 operands (|y| <= the fp16 norm), fp32 accumulation
+        b_y = tl.reshape(b_out, [BLOCK_ROWS, 8 * BLOCK_G]).to(tl.float16)
+        b_rt = tl.load(rt_ptr + o_d[:, None] * (8 * BLOCK_G) + o_d[None, :])  # [8 BG, 8 BG]
+        b_out = tl.reshape(tl.dot(b_y, b_rt), [BLOCK_ROWS, BLOCK_G, 8])
 
     if BF16_BY_BITS:
         # round to nearest even by hand: Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU
@@ -483,7 +493,6 @@ def _load_mse_kernel(
         b_bits = b_out.to(tl.uint32, bitcast=True)
         b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16
         b_out = b_bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    o_d = tl.arange(0, 8 * BLOCK_G)
     p_out = out_ptr + o_r[:, None] * D + o_d[None, :]  # [BR, 8 BG]: 16-byte vector stores
     b_out = tl.reshape(b_out.to(out_ptr.dtype.element_ty), [BLOCK_ROWS, 8 * BLOCK_G])
     tl.store(p_out, b_out, mask=m_r[:, None] & (o_d < D)[None, :])
@@ -513,6 +522,17 @@ def _rotation(codec, device):
     """The dense rotation ``R`` (float32) on ``device``."""
     return _cached(codec, ("rotation", device), codec.rotation,
                    lambda r: r.to(device=device, dtype=torch.float32).contiguous())
+
+
+def _rotation_t16(codec, device):
+    """``R^T`` in fp16, zero-padded to the load tile's width (``8 * _block_g(dim)``), on ``device``."""
+    def build(r):
+        width = 8 * _block_g(codec.dim)
+        rt = torch.zeros(width, width, dtype=torch.float16)
+        rt[: codec.dim, : codec.dim] = r.detach().to("cpu", torch.float32).T.to(torch.float16)
+        return rt.to(device).contiguous()
+
+    return _cached(codec, ("rotation_t16", device), codec.rotation, build)
 
 
 def _centroids(codec, device):
@@ -787,7 +807,8 @@ def load_mse(
 
     Equals ``codec.decode(codes, space)`` of the codes ``read_slots`` returns, cast to ``out_dtype``
     (``space="rotated"``: ``y = x @ R`` coordinates, for attention in rotated space; ``"model"``:
-    the rotated result, in fp32, times ``R.T`` in one batched GEMM, then cast). Rows whose slot is
+    times ``R.T``, in the kernel as an fp16 product with fp32 accumulation for 16-bit outputs and dims
+    of 9 to 128, else as one batched fp32 GEMM after the kernel). Rows whose slot is
     ``-1`` (or, with ``check=False``, out of range) come out as zeros. The other part's bit width is
     inferred from the cache's ``slot_bytes``. ``check=True`` (default) checks the slot range with
     one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 4096
@@ -816,12 +837,18 @@ def load_mse(
     device, dim, num_rows = cache.device, codec.dim, num_tokens * num_heads
     rot, cent = _rotation(codec, device), _centroids(codec, device)
     align = _alignment(cache, offset)
-    out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" else torch.float32, device=device)
+    # model space: fused (an fp16 product in the kernel) for 16-bit outputs; an exact fp32 GEMM for fp32
+    # (tiles of 16 to 128 columns: R^T, at most 32 KB in fp16, is loaded by every program)
+    fused = space == "model" and out_dtype != torch.float32 and 16 <= 8 * _block_g(dim) <= 128
+    if fused and block_rows < 16:
+        raise ValueError(f"block_rows must be >= 16 for space='model' with a 16-bit out_dtype (a tensor-core tile), got {block_rows}")
+    rt = _rotation_t16(codec, device) if fused else cent  # cent: a placeholder, never read
+    out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" or fused else torch.float32, device=device)
     if num_rows:
         grid = (triton.cdiv(num_rows, block_rows),)
         with _on(device):
             _load_mse_kernel[grid](
-                cache, slot_mapping, cent, out,
+                cache, slot_mapping, cent, rt, out,
                 num_rows, num_blocks * block_size,
                 slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
                 D=dim,
@@ -836,9 +863,10 @@ def load_mse(
                 NORM_ALIGNED=align % 2 == 0 and index_bytes % 2 == 0,
                 NORM_CORRECTION=bool(codec.norm_correction),
                 BF16_BY_BITS=out.dtype == torch.bfloat16 and _interpreted(),
+                MODEL=fused,
                 num_warps=num_warps,
             )
-    if space == "model":
+    if space == "model" and not fused:
         out = (out @ rot.T).to(out_dtype)  # the reference's inverse rotation, one GEMM for all rows
     return out.view(num_tokens, num_heads, dim)
 

@@ -431,6 +431,7 @@ BAD = [
     ("load slot out of range", lambda: _load(slot_mapping=torch.tensor([0, 8])), ValueError, "slot_mapping values"),
     ("load slot_mapping 2-D", lambda: _load(slot_mapping=torch.zeros(2, 2, dtype=torch.int64)), ValueError, "slot_mapping"),
     ("load num_warps", lambda: _load(num_warps=3), ValueError, "num_warps"),
+    ("load model-space tile", lambda: _load(space="model", block_rows=8), ValueError, "block_rows must be >= 16"),
 ]
 
 
