@@ -48,7 +48,8 @@ GROUP = 32
 TARGETS = {("mse", 4, 4): 3.0, ("mse", 3, 3): 3.5, ("mse", 2, 2): 4.5}
 SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages=1),
          dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=128, num_warps=8),
-         dict(block_n=64, num_warps=4, splits_factor=2)]
+         dict(block_n=64, num_warps=4, splits_factor=2),
+         dict(block_n=64, num_warps=4, num_stages=1, prefetch=True), dict(block_n=32, num_warps=4, num_stages=1, prefetch=True)]
 
 
 def bench(fn, rep=60):
@@ -168,6 +169,8 @@ def main():
         default_splits = kvlab.decode._default_splits(b, HKV, L, 64, q.device)
         times = {}
         for cfg in SWEEP:
+            if cfg.get("prefetch") and kind == "affine":
+                continue  # the affine path is not pipelined
             kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
             kw["num_splits"] = max(1, round(default_splits * cfg.get("splits_factor", 1)))
             try:

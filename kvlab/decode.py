@@ -285,27 +285,34 @@ def _load_words(cache_ptr, o_base, o_w, m_n, ALIGN4: tl.constexpr):
 
 
 @triton.jit
-def _mse_tile_fast(cache_ptr, o_base, m_n, t0, t1, t2, t3,
-                   BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ALIGN4: tl.constexpr):
-    """Centroid tile ``[BN, D]`` fp16 (tile order) and each row's energy ``sum c^2`` (fp32), by ``prmt``."""
+def _mse_words(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ALIGN4: tl.constexpr):
+    """The code words of ``BN`` rows for ``_mse_tile_fast``: three uint32 tensors (4 and 2 bit: the words, then
+    two ``[BN, 1]`` placeholders; 3 bit: words ``3 t``, ``3 t + 1``, ``3 t + 2``, ``[BN, D / 32]`` each)."""
+    if BITS == 3:
+        o_t = tl.arange(0, D // 32)
+        return (_load_words(cache_ptr, o_base, 3 * o_t, m_n, ALIGN4), _load_words(cache_ptr, o_base, 3 * o_t + 1, m_n, ALIGN4),
+                _load_words(cache_ptr, o_base, 3 * o_t + 2, m_n, ALIGN4))
+    else:  # every branch returns: Triton also compiles a return that follows a compile-time branch
+        b_none = tl.zeros([BN, 1], dtype=tl.uint32)
+        return _load_words(cache_ptr, o_base, tl.arange(0, D * BITS // 32), m_n, ALIGN4), b_none, b_none
+
+
+@triton.jit
+def _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Centroid tile ``[BN, D]`` fp16 (tile order) and each row's energy ``sum c^2`` (fp32), by ``prmt``,
+    from the words of ``_mse_words``."""
     if BITS == 4:
-        b_w = _load_words(cache_ptr, o_base, tl.arange(0, D // 8), m_n, ALIGN4)  # [BN, D/8]
         o0, o1, o2, o3, e = tl.inline_asm_elementwise(
-            _LOOKUP4, "=r,=r,=r,=r,=r,r,r,r,r,r", [b_w, t0, t1, t2, t3],
+            _LOOKUP4, "=r,=r,=r,=r,=r,r,r,r,r,r", [b_w0, t0, t1, t2, t3],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         return _pairs_to_tile((o0, o1, o2, o3), (e,), BN, D, 2)
     elif BITS == 2:
-        b_w = _load_words(cache_ptr, o_base, tl.arange(0, D // 16), m_n, ALIGN4)  # [BN, D/16]
         o0, o1, o2, o3, o4, o5, o6, o7, e = tl.inline_asm_elementwise(
-            _LOOKUP2, "=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b_w, t0, t1],
+            _LOOKUP2, "=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b_w0, t0, t1],
             dtype=(tl.int32,) * 9, is_pure=True, pack=1)
         return _pairs_to_tile((o0, o1, o2, o3, o4, o5, o6, o7), (e,), BN, D, 3)
     else:
         # 3 bit: three words hold four 24-bit groups of 8 indices
-        o_t = tl.arange(0, D // 32)
-        b_w0 = _load_words(cache_ptr, o_base, 3 * o_t, m_n, ALIGN4)  # [BN, D/32]
-        b_w1 = _load_words(cache_ptr, o_base, 3 * o_t + 1, m_n, ALIGN4)
-        b_w2 = _load_words(cache_ptr, o_base, 3 * o_t + 2, m_n, ALIGN4)
         groups = (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
         words = ()
         energies = ()
@@ -329,14 +336,19 @@ def _tile_coordinate(D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _mse_tile_generic(cache_ptr, o_base, m_n, cent_ptr,
-                      BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """As ``_mse_tile_fast``, index by index: shifts, then a gather from the centroid table."""
-    o_j = _tile_coordinate(D, BITS)
-    o_bit = o_j * BITS
-    p = cache_ptr + o_base[:, None] + (o_bit // 8)[None, :]
-    m_hi = m_n[:, None] & ((o_bit // 8 + 1) < (D * BITS // 8))[None, :]
-    b_b = tl.load(p, mask=m_n[:, None], other=0).to(tl.int32) | (tl.load(p + 1, mask=m_hi, other=0).to(tl.int32) << 8)
+def _mse_bytes(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """For ``_mse_tile_generic``: per tile position, the code's two bytes from the one holding its index
+    (int32 ``[BN, D]``; the second is 0 past the code)."""
+    o_byte = (_tile_coordinate(D, BITS) * BITS) // 8
+    p = cache_ptr + o_base[:, None] + o_byte[None, :]
+    m_hi = m_n[:, None] & ((o_byte + 1) < (D * BITS // 8))[None, :]
+    return tl.load(p, mask=m_n[:, None], other=0).to(tl.int32) | (tl.load(p + 1, mask=m_hi, other=0).to(tl.int32) << 8)
+
+
+@triton.jit
+def _mse_tile_generic(b_b, cent_ptr, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """As ``_mse_tile_fast``, index by index (from ``_mse_bytes``): shifts, then a gather from the centroid table."""
+    o_bit = _tile_coordinate(D, BITS) * BITS
     b_i = (b_b >> (o_bit % 8)[None, :]) & ((1 << BITS) - 1)
     b_c = tl.load(cent_ptr + b_i).to(tl.float16)  # [BN, D]
     b_cf = b_c.to(tl.float32)
@@ -373,57 +385,85 @@ def _load_norm(cache_ptr, o_at, m_n):
 
 
 @triton.jit
-def _attend_tile(
-    cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
-    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
-    o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g,
-    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, AFFINE: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
+def _fetch_tile(
+    cache_ptr, block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
     KEY_NORM_OFFSET: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_NORM_OFFSET: tl.constexpr,
-    VALUE_ALIGN4: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr, HAS_BIAS: tl.constexpr,
+    VALUE_ALIGN4: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
 ):
-    """One step of the split loop: keys ``o_n`` ([BLOCK_N] positions, valid below ``end``) update the
-    running maximum ``b_m``, sum ``b_l`` and output ``b_acc`` of the query group ``b_q`` (``HAS_BIAS``:
-    plus a per-row, per-position score term read at ``bias_ptr + o_bias[row] + position``)."""
+    """The memory reads of one MSE step: keys ``o_n`` ([BLOCK_N] positions, valid below ``end``) ->
+    key words (3), key norms, value words (3), value norms, as ``_attend_mse`` takes them."""
     m_n = o_n < end
     b_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
     o_slot = b_blk * stride_block + (o_n % BLOCK_SIZE) * stride_pos + i_h * stride_head  # [BN] int64
-
-    # ---- scores
-    if AFFINE:
-        b_k = _affine_tile(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
-        b_s = tl.dot(b_q, tl.trans(b_k))  # [BG, BN]
+    if FAST:
+        k0, k1, k2 = _mse_words(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, True)
+        v0, v1, v2 = _mse_words(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, VALUE_ALIGN4)
     else:
-        if FAST:
-            b_k, b_ke = _mse_tile_fast(cache_ptr, o_slot, m_n, tk0, tk1, tk2, tk3, BLOCK_N, D, BITS_K, True)
-        else:
-            b_k, b_ke = _mse_tile_generic(cache_ptr, o_slot, m_n, key_cent_ptr, BLOCK_N, D, BITS_K)
-        b_kn = _load_norm(cache_ptr, o_slot + KEY_NORM_OFFSET, m_n)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * (b_kn * tl.math.rsqrt(tl.maximum(b_ke, 1e-24)))[None, :]
-    if HAS_BIAS:  # centred keys with a turning mean: q . RoPE_n(mean), one fp32 per query row and position
-        b_s += tl.load(bias_ptr + o_bias[:, None] + o_n[None, :], mask=m_g[:, None] & m_n[None, :], other=0.0)
-    b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_none = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+        k0, k1, k2 = _mse_bytes(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K), b_none, b_none
+        v0, v1, v2 = _mse_bytes(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V), b_none, b_none
+    b_kn = _load_norm(cache_ptr, o_slot + KEY_NORM_OFFSET, m_n)
+    b_vn = _load_norm(cache_ptr, o_slot + VALUE_NORM_OFFSET, m_n)
+    return k0, k1, k2, b_kn, v0, v1, v2, b_vn
 
-    # ---- online softmax (base 2: log2(e) is folded into q)
+
+@triton.jit
+def _softmax_step(b_s, b_m, b_l):
+    """Online softmax (base 2: log2(e) is folded into q): new maximum, rescale factor, weights, sum."""
     b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
     b_alpha = tl.math.exp2(b_m - b_m_new)
     b_p = tl.math.exp2(b_s - b_m_new[:, None])  # [BG, BN]
-    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-    b_m = b_m_new
+    return b_m_new, b_alpha, b_p, b_l * b_alpha + tl.sum(b_p, axis=1)
+
+
+@triton.jit
+def _attend_mse(
+    key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
+    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, o_n, end, bias_ptr, o_bias, m_g,
+    D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """The arithmetic of one MSE step, on what ``_fetch_tile`` read: update the running maximum ``b_m``,
+    sum ``b_l`` and output ``b_acc`` of the query group ``b_q`` (``HAS_BIAS``: plus a per-row,
+    per-position score term read at ``bias_ptr + o_bias[row] + position``)."""
+    m_n = o_n < end
+    # ---- scores: the rotated query against the unscaled centroids, times norm / |c| per key
+    if FAST:
+        b_k, b_ke = _mse_tile_fast(k0, k1, k2, tk0, tk1, tk2, tk3, BLOCK_N, D, BITS_K)
+    else:
+        b_k, b_ke = _mse_tile_generic(k0, key_cent_ptr, BLOCK_N, D, BITS_K)
+    b_s = tl.dot(b_q, tl.trans(b_k)) * (b_kn * tl.math.rsqrt(tl.maximum(b_ke, 1e-24)))[None, :]
+    if HAS_BIAS:  # centred keys with a turning mean: q . RoPE_n(mean), one fp32 per query row and position
+        b_s += tl.load(bias_ptr + o_bias[:, None] + o_n[None, :], mask=m_g[:, None] & m_n[None, :], other=0.0)
+    b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+    b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l)
 
     # ---- values: the norm factor rides on the weight
-    if AFFINE:
-        b_v = _affine_tile(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
-        b_pv = b_p
+    if FAST:
+        b_v, b_ve = _mse_tile_fast(v0, v1, v2, tv0, tv1, tv2, tv3, BLOCK_N, D, BITS_V)
     else:
-        if FAST:
-            b_v, b_ve = _mse_tile_fast(cache_ptr, o_slot + VALUE_OFFSET, m_n, tv0, tv1, tv2, tv3,
-                                       BLOCK_N, D, BITS_V, VALUE_ALIGN4)
-        else:
-            b_v, b_ve = _mse_tile_generic(cache_ptr, o_slot + VALUE_OFFSET, m_n, value_cent_ptr, BLOCK_N, D, BITS_V)
-        b_vn = _load_norm(cache_ptr, o_slot + VALUE_NORM_OFFSET, m_n)
-        b_pv = b_p * (b_vn * tl.math.rsqrt(tl.maximum(b_ve, 1e-24)))[None, :]
+        b_v, b_ve = _mse_tile_generic(v0, value_cent_ptr, BLOCK_N, D, BITS_V)
+    b_pv = b_p * (b_vn * tl.math.rsqrt(tl.maximum(b_ve, 1e-24)))[None, :]
     b_acc = b_acc * b_alpha[:, None] + tl.dot(b_pv.to(tl.float16), b_v)
+    return b_m, b_l, b_acc
 
+
+@triton.jit
+def _attend_affine(
+    cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
+    VALUE_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One step over token-axis affine codes: dequantize ``n s + z`` per group tile, then the same update."""
+    m_n = o_n < end
+    b_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
+    o_slot = b_blk * stride_block + (o_n % BLOCK_SIZE) * stride_pos + i_h * stride_head  # [BN] int64
+    b_k = _affine_tile(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
+    b_s = tl.where(m_n[None, :], tl.dot(b_q, tl.trans(b_k)), float("-inf"))  # [BG, BN]
+    b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l)
+    b_v = _affine_tile(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(tl.float16), b_v)
     return b_m, b_l, b_acc
 
 
@@ -466,6 +506,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     FAST: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr,  # MSE: issue the next step's reads before this step's arithmetic
     INTERPRETED: tl.constexpr,
     SPLIT_STEPS: tl.constexpr,  # interpreter only: split_len // BLOCK_N
 ):
@@ -488,24 +529,71 @@ def _decode_split_kernel(
     b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     o_nb = tl.arange(0, BLOCK_N)
-    if INTERPRETED:  # the interpreter needs a trip count it can read: steps past the end do nothing
-        for it in range(0, SPLIT_STEPS):
-            n0 = start + it * BLOCK_N
-            if n0 < end:
-                b_m, b_l, b_acc = _attend_tile(
-                    cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
-                    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
-                    n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g,
-                    BLOCK_SIZE, D, AFFINE, BITS_K, BITS_V, GROUP, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
-                    VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS)
+    # The interpreter needs a trip count it can read: there, steps run over SPLIT_STEPS and do nothing past the end.
+    if AFFINE:
+        if INTERPRETED:
+            for it in range(0, SPLIT_STEPS):
+                if start + it * BLOCK_N < end:
+                    b_m, b_l, b_acc = _attend_affine(
+                        cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, start + it * BLOCK_N + o_nb, end, i_b, i_h,
+                        stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N)
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                b_m, b_l, b_acc = _attend_affine(
+                    cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, n0 + o_nb, end, i_b, i_h,
+                    stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N)
+    elif PREFETCH:
+        # software pipelining: the reads of step i + 1 are issued before the arithmetic of step i
+        k0, k1, k2, b_kn, v0, v1, v2, b_vn = _fetch_tile(
+            cache_ptr, block_table_ptr, start + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+            BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST)
+        if INTERPRETED:
+            for it in range(0, SPLIT_STEPS):
+                if start + it * BLOCK_N < end:
+                    n0 = start + it * BLOCK_N
+                    nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _fetch_tile(
+                        cache_ptr, block_table_ptr, n0 + BLOCK_N + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
+                        stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
+                        VALUE_ALIGN4, BLOCK_N, FAST)
+                    b_m, b_l, b_acc = _attend_mse(
+                        key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
+                        tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g,
+                        D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
+                    k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _fetch_tile(
+                    cache_ptr, block_table_ptr, n0 + BLOCK_N + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
+                    stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
+                    VALUE_ALIGN4, BLOCK_N, FAST)
+                b_m, b_l, b_acc = _attend_mse(
+                    key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
+                    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g,
+                    D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
+                k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
     else:
-        for n0 in range(start, end, BLOCK_N):
-            b_m, b_l, b_acc = _attend_tile(
-                cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc,
-                tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
-                n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g,
-                BLOCK_SIZE, D, AFFINE, BITS_K, BITS_V, GROUP, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
-                VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS)
+        if INTERPRETED:
+            for it in range(0, SPLIT_STEPS):
+                if start + it * BLOCK_N < end:
+                    n0 = start + it * BLOCK_N
+                    k0, k1, k2, b_kn, v0, v1, v2, b_vn = _fetch_tile(
+                        cache_ptr, block_table_ptr, n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
+                        stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
+                        VALUE_ALIGN4, BLOCK_N, FAST)
+                    b_m, b_l, b_acc = _attend_mse(
+                        key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
+                        tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g,
+                        D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                k0, k1, k2, b_kn, v0, v1, v2, b_vn = _fetch_tile(
+                    cache_ptr, block_table_ptr, n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
+                    stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
+                    VALUE_ALIGN4, BLOCK_N, FAST)
+                b_m, b_l, b_acc = _attend_mse(
+                    key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
+                    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g,
+                    D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
 
     o_part = (o_q * num_splits + i_s)  # [BG]
     tl.store(o_part_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None])
@@ -753,6 +841,7 @@ def decode_attention(
     fast: bool | None = None,
     check: bool = True,
     position_offset: int = 0,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged quantized cache: ``[batch, num_q_heads, dim]``.
 
@@ -765,7 +854,9 @@ def decode_attention(
 
     ``num_splits`` (default: about 16 programs per SM, splits of at least 256 keys), ``block_n`` (keys
     per step, a power of two 16..256), ``num_warps`` and ``num_stages`` tune the launch; ``fast``
-    (default: on when compiled for a GPU) picks the ``prmt`` lookup over the generic unpack.
+    (default: on when compiled for a GPU) picks the ``prmt`` lookup over the generic unpack;
+    ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the next step's
+    block-table, code and norm reads before its own arithmetic (more registers, more reads in flight).
     ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
     ``check=False`` never syncs and reads whatever blocks the table names.
 
@@ -809,6 +900,10 @@ def decode_attention(
         fast = not interpreted
     if not isinstance(fast, bool):
         raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be a bool, got {type(prefetch).__name__}")
+    if prefetch and kind != "mse":
+        raise ValueError("prefetch=True applies to MSE caches (the affine path is not pipelined)")
     if fast and interpreted:
         raise ValueError("fast=True needs a CUDA device (inline PTX); use fast=False or None on the CPU")
 
@@ -866,6 +961,7 @@ def decode_attention(
             HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=block_size, D=dim, AFFINE=kind == "affine",
             BITS_K=key_codec.bits, BITS_V=value_codec.bits, **offsets,
             BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
+            PREFETCH=prefetch,
             INTERPRETED=interpreted,
             SPLIT_STEPS=split_len // block_n if interpreted else 0,
             num_warps=num_warps, **extra,

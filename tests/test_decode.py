@@ -94,12 +94,13 @@ def affine_setup(case, device, seed=0):
     return q, cache, block_table, seq_lens, kc, vc
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fast", FAST)
 @pytest.mark.parametrize("case", MSE_CASES, ids=MSE_IDS)
-def test_mse_decode_matches_reference(case, fast, device):
+def test_mse_decode_matches_reference(case, fast, prefetch, device):
     q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, prefetch=prefetch)
     assert out.dtype == torch.float16 and out.shape == q.shape
     assert rel_err(out, expected) <= TOL
 
@@ -137,12 +138,14 @@ def centered_setup(case, device, seed=0):
     return q, cache, block_table, seq_lens, kc, vc, offset
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fast", FAST)
 @pytest.mark.parametrize("case", CENTERED_CASES, ids=CENTERED_IDS)
-def test_centered_decode_matches_reference(case, fast, device):
+def test_centered_decode_matches_reference(case, fast, prefetch, device):
     q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, position_offset=offset)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, position_offset=offset,
+                           prefetch=prefetch)
     assert out.dtype == torch.float16 and out.shape == q.shape
     assert rel_err(out, expected) <= TOL
     # the same codes read as plain MSE keys (no scale, no mean) attend elsewhere: the test can tell
@@ -326,3 +329,12 @@ def test_bad_centered_inputs(device):
         decode_attention(q.half(), cache, block_table, seq_lens, three, vc)
     with pytest.raises(TypeError, match="value_codec must be a kvlab.MSECodec"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, kc)
+
+
+def test_bad_prefetch(device):
+    q, cache, block_table, seq_lens, kc, vc = mse_setup(MSE_CASES[0], device)
+    with pytest.raises(TypeError, match="prefetch must be a bool"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, prefetch=1)
+    q, cache, block_table, seq_lens, kc, vc = affine_setup(AFFINE_CASES[1], device)
+    with pytest.raises(ValueError, match="prefetch=True applies to MSE caches"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, prefetch=True)
