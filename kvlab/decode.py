@@ -18,6 +18,11 @@ What
       centroids of a key times one per-token factor, every value enters with its norm factor folded
       into the attention weight, and the output is rotated back once at the end
       (``rotate_attention_output``). No cached vector is ever rotated.
+    * Centred MSE keys (``kvlab.CenteredMSECodec``: ``k = scale * z + mean_n``, ``z`` stored with the MSE
+      codec in the same slot) with MSE values: ``q . k = (q * scale) . z + q . mean_n``. The query is
+      scaled before its rotation; with RoPE the second term turns with the position and is added per
+      key from ``rope_mean_scores`` (one product per call against a per-position cos/sin table); without
+      RoPE it is the same for every key and the softmax drops it.
     * Affine (``kvlab.AffineCodec(bits, group_size, axis="token")`` keys and values, 4 or 8 bits):
       the paged affine layout below. Dequantization ``x_j = n_j s_g + z_g`` is linear in the index
       ``n``; the kernel forms ``n s + z`` per group tile and runs the same loop (no rotation).
@@ -71,6 +76,8 @@ How (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per s
     * Without a GPU (Triton's interpreter) and with ``fast=False`` the kernel unpacks each index with
       shifts and gathers its centroid from the table instead: same tile order, same result up to fp16
       rounding.
+    * A step is a read (``_fetch_tile``: block-table entries, code words, norms) and the arithmetic on
+      it (``_attend_mse``); ``prefetch=True`` issues step ``i + 1``'s read before step ``i``'s arithmetic.
 
 Reference
     ``kvlab.reference.decode_attention_reference`` / ``prefill_attention_reference``: fp32 attention
