@@ -100,7 +100,7 @@ def main():
                     help="time every launch config in TUNABLES and keep the best: for all kernels, "
                          "or for a comma-separated list (e.g. mse_store,mse_load)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), no timing claims")
-    ap.add_argument("--tests-log", help="pytest -q output of a run on this machine, recorded instead of running the tests")
+    ap.add_argument("--tests-log", help="pytest -q output of a run on this machine, recorded instead of running the tests (several files: comma-separated)")
     args = ap.parse_args()
     global DEV, SWEEP
     SWEEP = args.sweep.split(",") if args.sweep and args.sweep != "all" else bool(args.sweep)

@@ -141,7 +141,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--no-tests", action="store_true")
-    ap.add_argument("--tests-log", help="pytest output of tests/test_decode.py run on this machine just before")
+    ap.add_argument("--tests-log", help="pytest output of tests/test_decode.py run on this machine just before (several files: comma-separated)")
     ap.add_argument("--quick", action="store_true", help="headline point only (batch 8, context 32k)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"

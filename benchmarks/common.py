@@ -10,16 +10,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_tests(paths: list[str], log: str | None = None) -> dict:
-    """Run pytest on ``paths`` here (compiled kernels), or read the log of a run made just before.
+    """Run pytest on ``paths`` here (compiled kernels), or read the logs of runs made just before.
 
-    ``passed`` is pytest's exit status, or for a log its summary line ("N passed", no failure or error).
+    ``log``: one pytest output file, or several separated by commas (a suite run in parts, e.g. one
+    file per call on a machine with a time limit per command). ``passed`` is pytest's exit status, or
+    for logs that every one's summary line says "N passed" with no failure or error.
     """
     if log:
-        text, returncode = Path(log).read_text(), None
-    else:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
-                              cwd=ROOT, capture_output=True, text=True)
-        text, returncode = proc.stdout + proc.stderr, proc.returncode
+        parts = [_summarise(Path(f).read_text(), None) | {"log": f} for f in log.split(",") if f]
+        if len(parts) == 1:
+            return parts[0]
+        return {"passed": all(p["passed"] for p in parts), "summary": "; ".join(p["summary"] for p in parts),
+                "tail": "\n".join(p["tail"] for p in parts), "logs": [p["log"] for p in parts]}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+                          cwd=ROOT, capture_output=True, text=True)
+    return _summarise(proc.stdout + proc.stderr, proc.returncode)
+
+
+def _summarise(text: str, returncode: int | None) -> dict:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln or " error" in ln), "")
     passed = returncode == 0 if returncode is not None else (" passed" in summary and "failed" not in summary and "error" not in summary)
