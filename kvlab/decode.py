@@ -457,6 +457,29 @@ def _attend_mse(
 
 
 @triton.jit
+def _mse_step(
+    cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
+    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    bias_ptr, o_bias, m_g, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
+    KEY_NORM_OFFSET: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_NORM_OFFSET: tl.constexpr, VALUE_ALIGN4: tl.constexpr,
+    BLOCK_N: tl.constexpr, FAST: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """The MSE step at keys ``n0 .. n0 + BLOCK_N``. ``PREFETCH``: attend over the reads passed in (this
+    step's), after issuing the next step's, which it returns; else read this step's and attend (the
+    reads passed in are not used; the ones returned are this step's)."""
+    o_nb = tl.arange(0, BLOCK_N)
+    nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _fetch_tile(
+        cache_ptr, block_table_ptr, n0 + PREFETCH * BLOCK_N + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
+        stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST)
+    if not PREFETCH:
+        k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
+    b_m, b_l, b_acc = _attend_mse(
+        key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
+        tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g, D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
+    return b_m, b_l, b_acc, nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
+
+
+@triton.jit
 def _attend_affine(
     cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
     BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
@@ -549,58 +572,34 @@ def _decode_split_kernel(
                 b_m, b_l, b_acc = _attend_affine(
                     cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, n0 + o_nb, end, i_b, i_h,
                     stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N)
-    elif PREFETCH:
-        # software pipelining: the reads of step i + 1 are issued before the arithmetic of step i
-        k0, k1, k2, b_kn, v0, v1, v2, b_vn = _fetch_tile(
-            cache_ptr, block_table_ptr, start + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
-            BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST)
-        if INTERPRETED:
-            for it in range(0, SPLIT_STEPS):
-                if start + it * BLOCK_N < end:
-                    n0 = start + it * BLOCK_N
-                    nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _fetch_tile(
-                        cache_ptr, block_table_ptr, n0 + BLOCK_N + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
-                        stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
-                        VALUE_ALIGN4, BLOCK_N, FAST)
-                    b_m, b_l, b_acc = _attend_mse(
-                        key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
-                        tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g,
-                        D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
-                    k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _fetch_tile(
-                    cache_ptr, block_table_ptr, n0 + BLOCK_N + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
-                    stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
-                    VALUE_ALIGN4, BLOCK_N, FAST)
-                b_m, b_l, b_acc = _attend_mse(
-                    key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
-                    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g,
-                    D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
-                k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
     else:
+        # PREFETCH: software pipelining, the reads of step i + 1 are issued before the arithmetic of step i
+        # (the loop carries them); without, every step reads its own (the loop carries nothing more).
+        b_none = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+        k0, k1, k2, b_kn, v0, v1, v2, b_vn = b_none, b_none, b_none, b_none, b_none, b_none, b_none, b_none
+        if PREFETCH:
+            k0, k1, k2, b_kn, v0, v1, v2, b_vn = _fetch_tile(
+                cache_ptr, block_table_ptr, start + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST)
         if INTERPRETED:
             for it in range(0, SPLIT_STEPS):
                 if start + it * BLOCK_N < end:
-                    n0 = start + it * BLOCK_N
-                    k0, k1, k2, b_kn, v0, v1, v2, b_vn = _fetch_tile(
-                        cache_ptr, block_table_ptr, n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
-                        stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
-                        VALUE_ALIGN4, BLOCK_N, FAST)
-                    b_m, b_l, b_acc = _attend_mse(
-                        key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
-                        tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g,
-                        D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
+                    b_m, b_l, b_acc, nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _mse_step(
+                        cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1,
+                        v2, b_vn, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, start + it * BLOCK_N, end, i_b, i_h, stride_bt,
+                        stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g, BLOCK_SIZE, D, BITS_K, BITS_V,
+                        KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS, PREFETCH)
+                    if PREFETCH:
+                        k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
         else:
             for n0 in range(start, end, BLOCK_N):
-                k0, k1, k2, b_kn, v0, v1, v2, b_vn = _fetch_tile(
-                    cache_ptr, block_table_ptr, n0 + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
-                    stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET,
-                    VALUE_ALIGN4, BLOCK_N, FAST)
-                b_m, b_l, b_acc = _attend_mse(
-                    key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
-                    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g,
-                    D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
+                b_m, b_l, b_acc, nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _mse_step(
+                    cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2,
+                    b_vn, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0, end, i_b, i_h, stride_bt, stride_block, stride_pos,
+                    stride_head, bias_ptr, o_bias, m_g, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET,
+                    VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS, PREFETCH)
+                if PREFETCH:
+                    k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
 
     o_part = (o_q * num_splits + i_s)  # [BG]
     tl.store(o_part_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None])
