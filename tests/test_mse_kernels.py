@@ -190,6 +190,21 @@ def test_load_matches_reference_decode(case, space, device):
         assert torch.equal(out[~keep.view(-1)], torch.zeros_like(out[~keep.view(-1)]))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES[::2], ids=IDS[::2])
+def test_model_space_load_is_within_output_rounding(case, out_dtype, device):
+    """16-bit model-space loads rotate back in the kernel (an fp16 product by R^T): their error against the
+    reference stays within a small multiple of rounding the exact result to the output dtype."""
+    key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
+    keep = (slots >= 0).view(-1, 1, 1)
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.read_slots(ref, slots, layout)):
+        exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
+        out = load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, block_rows=LOAD_ROWS)
+        assert out.dtype == out_dtype
+        rounding = rel_err(exact.to(out_dtype), exact)
+        assert rel_err(out, exact) <= 3 * rounding + 1e-6, (rel_err(out, exact), rounding)
+
+
 @pytest.mark.parametrize("case", CASES[1::3], ids=IDS[1::3])
 def test_load_exact_without_norm_correction(case, device):
     """Without renormalisation decoding is centroid * fp16 norm: no sum, so the result is exact."""
