@@ -52,7 +52,8 @@ def bench(fn, reps=200):
 # Launch configs tried with --sweep, per kernel (the first of each list is the default).
 TUNABLES = {
     "mse_store": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=1),
-                  dict(block_rows=None, num_warps=2)],
+                  dict(block_rows=None, num_warps=2), dict(block_rows=None, num_warps=4, piece=32),
+                  dict(block_rows=None, num_warps=4, piece=16), dict(block_rows=None, num_warps=8, piece=16)],
     "mse_load": [dict(block_rows=None, num_warps=2), dict(block_rows=None, num_warps=8),
                  dict(block_rows=64, num_warps=4)],
     "affine_pack": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8),

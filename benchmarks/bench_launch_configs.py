@@ -2,7 +2,7 @@
 
 One run at 4M vectors of dim 128 (8 heads): times (median of ``do_bench``) the MSE store with Haar
 (rotation by an fp32 GEMM before the kernel) and with Hadamard rotation (fused in the kernel) over
-several ``num_warps`` / ``block_rows``, the fp32 rotation GEMM alone and the same product in fp16, the
+several ``num_warps`` / ``block_rows`` / ``piece``, the fp32 rotation GEMM alone and the same product in fp16, the
 rotated-space MSE load over a grid of tiles, and affine pack (token and channel groups of 32) and the
 channel-axis 3-bit unpack over their tiles. Fractions are of the copy bandwidth measured in the same
 run, over the bytes each call must move (as ``bench_codecs.py`` counts them). Writes
@@ -74,7 +74,7 @@ def main():
             slots = torch.randperm(tokens, device="cuda").to(torch.int32)
             sweep = rot == "hadamard" and bits == 4
             configs = ([dict(num_warps=w) for w in (1, 2, 4, 8)] + [dict(block_rows=64, num_warps=4), dict(block_rows=256, num_warps=4)]
-                       if sweep else [dict(num_warps=4)])
+                       + [dict(num_warps=w, piece=p) for p in (16, 32, 64) for w in (4, 8)] if sweep else [dict(num_warps=4)])
             variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
             timed("mse_store", variant, bits, configs,
                   lambda **c: kvlab.store_mse(x, v, slots, cache, kc, vc, check=False, **c), 2 * n * D * 2 + n * layout.slot_bytes)

@@ -30,10 +30,10 @@ What
     kernel writes the rotated rows and one batched fp32 GEMM follows (the reference's product).
 
 Tiling
-    Store: one row per thread (``block_rows = 32 * num_warps`` by default); rows longer than 128
-    columns are cut into 128-column pieces on neighbouring lanes (dim 256: two threads per row,
-    ``block_rows = 16 * num_warps``), whose last butterfly stages pair the pieces through two-term
-    sums across lanes. A row is loaded as 16-byte chunks of 8 columns, so a thread holds its piece
+    Store: one row per thread (``block_rows = 32 * num_warps`` by default); rows longer than
+    ``piece`` columns (128 by default; 16, 32 or 64 on request) are cut into pieces on neighbouring
+    lanes (dim 256: two threads per row, ``block_rows = 16 * num_warps``), whose last butterfly
+    stages pair the pieces through two-term sums across lanes. A row is loaded as 16-byte chunks of 8 columns, so a thread holds its piece
     in registers: the butterflies, the norm and the 2**bits - 1 thresholds of the row cost no data
     movement. The packed code goes out as 4-byte words through a coalesced store (a head and a tail
     of at most 3 bytes per row when the code is not 4-byte aligned; bytes when the cache's strides
@@ -669,6 +669,7 @@ def store_mse(
     check: bool = True,
     block_rows: int | None = None,
     num_warps: int = 4,
+    piece: int = STORE_PIECE,
 ) -> None:
     """Encode ``key`` and ``value`` ``[num_tokens, num_heads, dim]`` into ``cache`` (in place).
 
@@ -683,11 +684,12 @@ def store_mse(
     ``check=False`` skips those checks and never syncs; out-of-range slots are then skipped silently.
 
     Hadamard codecs (``codec.hadamard_signs`` set) are rotated inside the kernel, from the input
-    rows; Haar codecs by a float32 torch GEMM first (see the module docstring). ``num_warps`` and
-    ``block_rows`` (a power of two) tune the launch; a thread holds a row of up to 128 columns
-    (longer rows: 128-column pieces, one thread each), so ``block_rows = 32 * num_warps / pieces``
-    (the default) is the natural tile: fewer rows leave threads computing copies, more rows put
-    several rows in a thread's registers (spills).
+    rows; Haar codecs by a float32 torch GEMM first (see the module docstring). ``num_warps``,
+    ``block_rows`` (a power of two) and ``piece`` tune the launch: a thread holds ``piece`` columns of
+    a row (16, 32, 64 or 128; default 128: a whole row of up to 128 columns), a row's pieces sit on
+    neighbouring lanes and its last butterfly stages pair them, so ``block_rows = 32 * num_warps /
+    pieces`` (the default) is the natural tile: fewer rows leave threads computing copies, more rows
+    put several rows in a thread's registers (spills). The bytes do not depend on the tiling.
     """
     _check_codec("key_codec", key_codec)
     _check_codec("value_codec", value_codec)
@@ -717,7 +719,8 @@ def store_mse(
     num_slots = num_blocks * block_size
     C.check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, values=check)
     _check_tiling(32 if block_rows is None else block_rows, num_warps)
-    pieces = max(1, _store_block_d(dim) // STORE_PIECE)  # threads per row
+    C.check_int("piece", piece, (16, 32, 64, 128))
+    pieces = max(1, _store_block_d(dim) // piece)  # threads per row
     block_rows = 32 * num_warps // pieces if block_rows is None else block_rows  # default: a piece per thread
     num_rows = num_tokens * num_heads
     if num_rows == 0:

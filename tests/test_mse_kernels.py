@@ -257,6 +257,16 @@ def test_store_ties_round_half_to_even(device):
     assert torch.equal(cache, ref)
 
 
+@pytest.mark.parametrize("piece", [16, 32, 64])
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[8], CASES[9]], ids=[IDS[2], IDS[3], IDS[8], IDS[9]])
+def test_store_pieces_do_not_change_bytes(case, piece, device):
+    """Rows cut into pieces of 16-64 columns on neighbouring lanes (the cross-lane butterfly stages and the
+    norm's sum over pieces) store the reference's bytes."""
+    key, value, slots, cache, ref, kc, vc, _ = make_batch(case, device)
+    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS, piece=piece)
+    assert torch.equal(cache, ref)
+
+
 @pytest.mark.parametrize("block_rows, num_warps", [(4, 1), (16, 2), (128, 4), (256, 8)])
 def test_tunables_do_not_change_results(block_rows, num_warps, device):
     key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[6], device)
@@ -446,6 +456,7 @@ BAD = [
     ("load slot out of range", lambda: _load(slot_mapping=torch.tensor([0, 8])), ValueError, "slot_mapping values"),
     ("load slot_mapping 2-D", lambda: _load(slot_mapping=torch.zeros(2, 2, dtype=torch.int64)), ValueError, "slot_mapping"),
     ("load num_warps", lambda: _load(num_warps=3), ValueError, "num_warps"),
+    ("store piece", lambda: _store(piece=8), ValueError, r"piece must be one of \(16, 32, 64, 128\)"),
     ("load model-space tile", lambda: _load(space="model", block_rows=8), ValueError, "block_rows must be >= 16"),
 ]
 
