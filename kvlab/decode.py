@@ -33,7 +33,7 @@ What
 
     ``prefill_attention`` is the continuation-prefill path (several new tokens per sequence whose keys
     and values are already in the cache): it materialises model-space K/V of the whole context, the
-    inverse rotation as one batched GEMM (``load_mse(space="model")``), and runs torch SDPA.
+    inverse rotation as a batched matrix product (``load_mse(space="model")``), and runs torch SDPA.
 
 Layouts
     MSE: ``kvlab.layout`` (one uint8 cache ``[num_blocks, block_size, num_kv_heads, slot_bytes]``, a
@@ -98,6 +98,7 @@ import triton.language as tl
 from . import _checks as C
 from .affine import affine_code_bytes, pack_affine, unpack_affine
 from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .centered import load_centered_mse
 from .mse import _cached, load_mse  # per-codec device tables, rebuilt when the codec's tensors change
 
 __all__ = [
@@ -1039,13 +1040,16 @@ def prefill_attention(
     *,
     scale: float | None = None,
     check: bool = True,
+    position_offset: int = 0,
 ) -> torch.Tensor:
     """Continuation prefill: ``q`` ``[batch, q_len, num_q_heads, dim]`` are the last ``q_len`` tokens of
     each sequence (already in the cache); causal attention over the whole cached context.
 
     Materialises model-space K/V of all ``max(seq_lens)`` positions (MSE: ``load_mse(space="model")``,
-    the inverse rotation as one batched GEMM; affine: ``unpack_affine``) and runs torch SDPA with a
-    causal, length-masked boolean mask. Returns ``q.dtype`` ``[batch, q_len, num_q_heads, dim]``.
+    the inverse rotation as a batched matrix product, in the load kernel for 16-bit ``q``; centred
+    keys: ``load_centered_mse``, token ``t`` at position ``position_offset + t``; affine:
+    ``unpack_affine``) and runs torch SDPA with a causal, length-masked boolean mask. Returns
+    ``q.dtype`` ``[batch, q_len, num_q_heads, dim]``.
     """
     C.check_tensor("q", q, (torch.float16, torch.bfloat16))
     if q.dim() != 4:
@@ -1069,7 +1073,11 @@ def prefill_attention(
     length = int(seq_lens.max())
     slots = _slot_mapping(block_table, seq_lens, block_size, length).reshape(-1)
     if kind == "mse":
-        k = load_mse(cache, slots, key_codec, part="key", space="model", out_dtype=q.dtype)
+        if centered is not None:
+            positions = torch.arange(length, device=q.device).repeat(batch) + position_offset if centered.rope is not None else None
+            k = load_centered_mse(cache, slots, centered, space="model", out_dtype=q.dtype, positions=positions)
+        else:
+            k = load_mse(cache, slots, key_codec, part="key", space="model", out_dtype=q.dtype)
         v = load_mse(cache, slots, value_codec, part="value", space="model", out_dtype=q.dtype)
     else:
         flat = cache.view(num_blocks * block_size, num_kv_heads, layout.slot_bytes)[slots.clamp_min(0)]

@@ -393,10 +393,11 @@ def decode_attention_reference(q, cache, block_table, seq_lens, key_codec, value
     return torch.stack(out).float() if out else q.new_zeros(q.shape, dtype=torch.float32)
 
 
-def prefill_attention_reference(q, cache, block_table, seq_lens, key_codec, value_codec, scale=None) -> torch.Tensor:
+def prefill_attention_reference(q, cache, block_table, seq_lens, key_codec, value_codec, scale=None,
+                                position_offset: int = 0) -> torch.Tensor:
     """fp32 ``[batch, q_len, num_q_heads, dim]``: causal attention of the last ``q_len`` tokens of each sequence."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    seqs = dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec)
+    seqs = dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec, position_offset)
     q_len = q.shape[1]
     out = [_attend(q[b].float(), k, v, scale, causal_from=k.shape[0] - q_len) for b, (k, v) in enumerate(seqs)]
     return torch.stack(out).float()

@@ -206,16 +206,19 @@ def test_tile_order_is_a_permutation():
     assert not torch.equal(tile_order(2, 64), torch.arange(64))
 
 
-@pytest.mark.parametrize("kind", ["mse", "affine"])
+@pytest.mark.parametrize("kind", ["mse", "affine", "centered"])
 def test_prefill_matches_reference(kind, device):
-    setup = mse_setup if kind == "mse" else affine_setup
-    case = MSE_CASES[1] if kind == "mse" else AFFINE_CASES[0]
-    q, cache, block_table, seq_lens, kc, vc = setup(case, device)
+    offset = 0
+    if kind == "centered":  # keys around a RoPE-turned mean, tokens after 5 kept elsewhere
+        q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(CENTERED_CASES[1], device)
+    else:
+        setup = mse_setup if kind == "mse" else affine_setup
+        q, cache, block_table, seq_lens, kc, vc = setup(MSE_CASES[1] if kind == "mse" else AFFINE_CASES[0], device)
     q_len = int(seq_lens.min())
     hq, dim = q.shape[1:]
     q = torch.randn(q.shape[0], q_len, hq, dim, generator=torch.Generator().manual_seed(9)).to(device).half()
-    expected = ref.prefill_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
-    out = prefill_attention(q, cache, block_table, seq_lens, kc, vc)
+    expected = ref.prefill_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
+    out = prefill_attention(q, cache, block_table, seq_lens, kc, vc, position_offset=offset)
     assert out.shape == q.shape and rel_err(out, expected) <= TOL
 
 
