@@ -689,6 +689,14 @@ def _is_centered(codec) -> bool:
     return all(hasattr(codec, a) for a in ("mse", "mean", "scale", "rope", "num_heads")) and _is_mse(codec.mse)
 
 
+def _split_centered(key_codec, position_offset):
+    """``(centred codec or None, the MSE codec of the keys' codes)``; checks ``position_offset`` for centred keys."""
+    if not _is_centered(key_codec):
+        return None, key_codec
+    C.check_int("position_offset", position_offset, minimum=0)
+    return key_codec, key_codec.mse
+
+
 def _check_codecs(key_codec, value_codec, dim: int) -> str:
     """``"mse"`` or ``"affine"``; raises for anything else or for a mix."""
     kinds = []
@@ -881,10 +889,7 @@ def decode_attention(
     if dim not in DIMS:
         raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
     kind = _check_codecs(key_codec, value_codec, dim)
-    centered = key_codec if _is_centered(key_codec) else None
-    if centered is not None:
-        key_codec = centered.mse
-        C.check_int("position_offset", position_offset, minimum=0)
+    centered, key_codec = _split_centered(key_codec, position_offset)
     layout = _slot_layout(kind, dim, key_codec, value_codec)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
@@ -1058,10 +1063,7 @@ def prefill_attention(
     if dim not in DIMS:
         raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
     kind = _check_codecs(key_codec, value_codec, dim)
-    centered = key_codec if _is_centered(key_codec) else None
-    if centered is not None:
-        key_codec = centered.mse
-        C.check_int("position_offset", position_offset, minimum=0)
+    centered, key_codec = _split_centered(key_codec, position_offset)
     layout = _slot_layout(kind, dim, key_codec, value_codec)
     num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, True)
     if bool((seq_lens < q_len).any()):

@@ -25,17 +25,18 @@ What
     vector (norm correction, an approximate reciprocal square root: within fp16 precision of the
     reference), multiply by the stored fp16 norm. ``space="rotated"`` returns that (what attention in
     rotated space consumes). ``space="model"`` rotates back by ``R.T``: for fp16/bf16 outputs (dims up
-    to 128) inside the kernel, one tensor-core product of the fp16 tile by an fp16 ``R.T`` per program (fp32
-    accumulation; the error is of the order of the output's fp16 rounding); for fp32 outputs the
-    kernel writes the rotated rows and one batched fp32 GEMM follows (the reference's product).
+    to 128) inside the kernel, one tensor-core product of the fp16 tile by an fp16 ``R.T`` per
+    program (fp32 accumulation; the error is of the order of the output's rounding); for fp32
+    outputs the kernel writes the rotated rows and one batched fp32 GEMM follows (the reference's
+    product).
 
 Tiling
     Store: one row per thread (``block_rows = 32 * num_warps`` by default); rows longer than
     ``piece`` columns (128 by default; 16, 32 or 64 on request) are cut into pieces on neighbouring
     lanes (dim 256: two threads per row, ``block_rows = 16 * num_warps``), whose last butterfly
-    stages pair the pieces through two-term sums across lanes. A row is loaded as 16-byte chunks of 8 columns, so a thread holds its piece
-    in registers: the butterflies, the norm and the 2**bits - 1 thresholds of the row cost no data
-    movement. The packed code goes out as 4-byte words through a coalesced store (a head and a tail
+    stages pair the pieces through two-term sums across lanes. A row is loaded as 16-byte chunks of
+    8 columns, so a thread holds its piece in registers: the butterflies, the norm and the
+    2**bits - 1 thresholds of the row cost no data movement. The packed code goes out as 4-byte words through a coalesced store (a head and a tail
     of at most 3 bytes per row when the code is not 4-byte aligned; bytes when the cache's strides
     are not multiples of 4).
 

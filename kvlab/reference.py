@@ -343,14 +343,11 @@ def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec, posit
         t = torch.arange(n, device=cache.device)
         slots = block_table[b].long()[t // block_size] * block_size + t % block_size
         codes = flat[slots]
-        if hasattr(key_codec, "mse"):  # centred keys: the MSE code of (k - mean) / scale
+        if isinstance(key_codec, MSECodec) or hasattr(key_codec, "mse"):  # plain or centred MSE keys
             kb = key_codec.nbytes
-            positions = (t + position_offset) if key_codec.rope is not None else None
-            k = key_codec.decode(codes[..., :kb], space="model", positions=positions)
-            v = value_codec.decode(codes[..., kb:], space="model")
-        elif isinstance(key_codec, MSECodec):
-            kb = key_codec.nbytes
-            k = key_codec.decode(codes[..., :kb], space="model")
+            # a centred codec whose mean turns with RoPE needs the tokens' positions
+            turning = getattr(key_codec, "rope", None) is not None
+            k = key_codec.decode(codes[..., :kb], space="model", **({"positions": t + position_offset} if turning else {}))
             v = value_codec.decode(codes[..., kb:], space="model")
         else:
             dim = _affine_dim(key_codec, value_codec, slot_bytes)
