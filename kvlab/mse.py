@@ -36,9 +36,9 @@ Tiling
     lanes (dim 256: two threads per row, ``block_rows = 16 * num_warps``), whose last butterfly
     stages pair the pieces through two-term sums across lanes. A row is loaded as 16-byte chunks of
     8 columns, so a thread holds its piece in registers: the butterflies, the norm and the
-    2**bits - 1 thresholds of the row cost no data movement. The packed code goes out as 4-byte words through a coalesced store (a head and a tail
-    of at most 3 bytes per row when the code is not 4-byte aligned; bytes when the cache's strides
-    are not multiples of 4).
+    2**bits - 1 thresholds of the row cost no data movement. The packed code goes out as 4-byte words through
+    a coalesced store (a head and a tail of at most 3 bytes per row when the code is not 4-byte
+    aligned; bytes when the cache's strides are not multiples of 4).
 
     Load: a thread decodes groups of 8 elements (``bits`` bytes in, 16 bytes of fp16 out, one
     vector store), loading the group's bytes 4, 2 or 1 at a time as the cache's alignment allows;
