@@ -128,6 +128,10 @@ def main():
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
 
     rows = []
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / "codec_kernels.partial.csv"  # every row as it is measured: a run cut short keeps them
+    partial.unlink(missing_ok=True)
 
     def record(kernel, variant, bits, n, ms, nbytes, config=None):
         gbps = nbytes / ms / 1e6
@@ -135,6 +139,11 @@ def main():
                    bytes=nbytes, gbps=gbps, frac_copy=gbps / meta["copy_gbps"],
                    config=" ".join(f"{k}={v}" for k, v in (config or {}).items()))
         rows.append(row)
+        with open(partial, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(row) + ["device", "torch", "triton", "date", "copy_gbps"])
+            if len(rows) == 1:
+                w.writeheader()
+            w.writerow({**row, **{k: meta[k] for k in ("device", "torch", "triton", "date", "copy_gbps")}})
         print(f"{kernel:22s} {variant:26s} b={bits!s:5s} n={n/1e6:5.1f}M {ms:8.3f} ms {gbps:7.0f} GB/s "
               f"{100 * row['frac_copy']:5.1f} %", flush=True)
 
@@ -242,16 +251,15 @@ def main():
 
     meta["checks"] = checks
     print(json.dumps(checks, indent=1))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     keys = list(rows[0]) + ["device", "torch", "triton", "date", "copy_gbps"]
-    with open(out / "codec_kernels.csv", "w", newline="") as f:
+    with open(out_dir / "codec_kernels.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         for r in rows:
             w.writerow({**r, **{k: meta[k] for k in ("device", "torch", "triton", "date", "copy_gbps")}})
-    (out / "codec_kernels.json").write_text(json.dumps(meta, indent=1))
-    print(f"wrote {out / 'codec_kernels.csv'}")
+    (out_dir / "codec_kernels.json").write_text(json.dumps(meta, indent=1))
+    partial.unlink()
+    print(f"wrote {out_dir / 'codec_kernels.csv'}")
 
 
 if __name__ == "__main__":

@@ -106,12 +106,12 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def correctness_checks():
+def correctness_checks(codec_list=CODECS):
     """decode_attention vs the reference at a few thousand tokens, data written by the store kernels."""
     checks = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = [3001, 1777]
-    for kind, kb, vb in CODECS:
+    for kind, kb, vb in codec_list:
         kc, vc, layout = codecs(kind, kb, vb)
         max_blocks = -(-max(lens) // BLOCK)
         cache = torch.zeros(len(lens) * max_blocks, BLOCK, HKV, layout.slot_bytes, dtype=torch.uint8, device="cuda")
@@ -143,7 +143,14 @@ def main():
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--tests-log", help="pytest output of tests/test_decode.py run on this machine just before (several files: comma-separated)")
     ap.add_argument("--quick", action="store_true", help="headline point only (batch 8, context 32k)")
+    ap.add_argument("--codecs", help="only these codecs, e.g. mse:4:4,centered:4:4 (default: all of CODECS)")
     args = ap.parse_args()
+    codec_list = CODECS
+    if args.codecs:
+        wanted = {tuple(c.split(":")) for c in args.codecs.split(",")}
+        codec_list = [c for c in CODECS if (c[0], str(c[1]), str(c[2])) in wanted]
+        if not codec_list:
+            ap.error(f"--codecs: none of {args.codecs!r} is in {CODECS}")
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     torch.manual_seed(0)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -154,7 +161,7 @@ def main():
         print("tests:", meta["tests"]["summary"], flush=True)
     meta["copy_gbps"] = copy_bandwidth()
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
-    meta["checks"] = correctness_checks()
+    meta["checks"] = correctness_checks(codec_list)
     print(json.dumps(meta["checks"], indent=1), flush=True)
     total_mem = torch.cuda.get_device_properties(0).total_memory
 
@@ -162,7 +169,7 @@ def main():
     best = {}
     b, L = HEADLINE
     sweep_rows = []
-    for kind, kb, vb in CODECS:
+    for kind, kb, vb in codec_list:
         kc, vc, layout = codecs(kind, kb, vb)
         cache, block_table, seq_lens = random_cache(kind, layout, b, L)
         q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
@@ -218,7 +225,7 @@ def main():
             except torch.cuda.OutOfMemoryError:
                 rows.append(dict(base, codec="sdpa_fp16", key_bits=16, value_bits=16, status="skipped: out of memory"))
             torch.cuda.empty_cache()
-        for kind, kb, vb in CODECS:
+        for kind, kb, vb in codec_list:
             kc, vc, layout = codecs(kind, kb, vb)
             need = b * L * HKV * layout.slot_bytes
             row = dict(base, codec=kind, key_bits=kb, value_bits=vb)
@@ -238,7 +245,7 @@ def main():
             except torch.cuda.OutOfMemoryError:
                 rows.append(dict(row, status="skipped: out of memory"))
             torch.cuda.empty_cache()
-        for r in rows[-(1 + len(CODECS)):]:
+        for r in rows[-(1 + len(codec_list)):]:
             if r.get("status") == "ok":
                 r["gbps"] = r["bytes"] / r["time_ms"] / 1e6
                 r["frac_copy"] = r["gbps"] / meta["copy_gbps"]
