@@ -283,10 +283,12 @@ def _pairs_to_tile(words, energies, BN: tl.constexpr, D: tl.constexpr, LEVELS: t
 @triton.jit
 def _load_words(cache_ptr, o_base, o_w, m_n, ALIGN4: tl.constexpr):
     """uint32 words ``[BN, W]``: word ``o_w`` of the code starting at byte ``o_base`` of each row."""
-    o_b = o_base[:, None] + 4 * o_w[None, :]
+    # Offsets in words (halves), not bytes, so that the compiler sees a row's words as contiguous and
+    # spreads a warp's lanes along the row (coalesced) rather than one lane per row.
     if ALIGN4:
-        return tl.load((cache_ptr + o_b).to(tl.pointer_type(tl.uint32)), mask=m_n[:, None], other=0)
-    p = (cache_ptr + o_b).to(tl.pointer_type(tl.uint16))  # 2-byte aligned: two halves per word
+        p = (cache_ptr + o_base).to(tl.pointer_type(tl.uint32))
+        return tl.load(p[:, None] + o_w[None, :], mask=m_n[:, None], other=0)
+    p = (cache_ptr + o_base).to(tl.pointer_type(tl.uint16))[:, None] + 2 * o_w[None, :]  # 2-byte aligned: two halves per word
     b_lo = tl.load(p, mask=m_n[:, None], other=0).to(tl.uint32)
     b_hi = tl.load(p + 1, mask=m_n[:, None], other=0).to(tl.uint32)
     return b_lo | (b_hi << 16)

@@ -11,6 +11,8 @@ import functools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kvlab
 from kvlab import reference as ref
@@ -197,6 +199,45 @@ def test_rotate_attention_output_is_one_gemm(device):
     kc, vc = mse_codecs(64, 4, 3, "haar")
     out = torch.randn(3, 5, 64, device=device)
     torch.testing.assert_close(rotate_attention_output(out, vc), out @ vc.rotation.to(device).T)
+
+
+@triton.jit
+def _read_words_kernel(cache_ptr, o_base_ptr, out_ptr, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                       ALIGN4: tl.constexpr, W: tl.constexpr):
+    o_n = tl.arange(0, BN)
+    o_base = tl.load(o_base_ptr + o_n)
+    m_n = o_n < BN - 1  # the last row is masked: it reads zeros
+    w0, w1, w2 = kvlab.decode._mse_words(cache_ptr, o_base, m_n, BN, D, BITS, ALIGN4)
+    o_w = tl.arange(0, W)
+    tl.store(out_ptr + o_n[:, None] * 3 * W + o_w[None, :], w0)
+    if BITS == 3:
+        tl.store(out_ptr + o_n[:, None] * 3 * W + W + o_w[None, :], w1)
+        tl.store(out_ptr + o_n[:, None] * 3 * W + 2 * W + o_w[None, :], w2)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("align4", [True, False])
+def test_fast_path_reads_the_code_words(bits, align4, device):
+    """The code words the prmt lookup takes (``_mse_words``): little-endian 32-bit words of the packed
+    indices of each row, from 4-byte or (values) 2-byte aligned starts; a masked row reads zeros. (The
+    lookup itself is inline PTX: it runs compiled, in the decode tests on a GPU.)"""
+    bn, dim = 8, 128
+    nbytes = dim * bits // 8
+    g = torch.Generator().manual_seed(bits)
+    cache = torch.randint(0, 256, (bn * 200 + nbytes + 8,), dtype=torch.uint8, generator=g)
+    o_base = torch.randperm(bn * 200 // 4, generator=g)[:bn] * 4 + (0 if align4 else 2)
+    words = torch.stack([cache[o:o + nbytes] for o in o_base.tolist()]).view(torch.int32)  # [bn, nbytes / 4]
+    words[-1] = 0
+    w = dim // 32 if bits == 3 else nbytes // 4
+    out = torch.full((bn, 3 * w), -1, dtype=torch.int32)
+    cache, o_base_d, out = cache.to(device), o_base.to(device), out.to(device)
+    _read_words_kernel[(1,)](cache, o_base_d, out, BN=bn, D=dim, BITS=bits, ALIGN4=align4, W=w)
+    out = out.cpu()
+    if bits == 3:  # three tensors: words 3 t, 3 t + 1, 3 t + 2 of group t
+        expected = torch.cat([words[:, i::3] for i in range(3)], dim=1)
+        assert torch.equal(out, expected)
+    else:
+        assert torch.equal(out[:, :w], words)
 
 
 def test_tile_order_is_a_permutation():
