@@ -1,0 +1,258 @@
+"""What the compiler makes of kvlab's kernels on the H200 (sm_90), measured on any machine.
+
+Each kernel is launched once at a benchmark-like shape (dim 128, 8 heads) with its default launch
+configuration and ``check=False`` (as the benchmarks time them) under the Triton interpreter, which records the launch: argument types, which pointers
+and integers are multiples of 16 (Triton specialises on that), the compile-time constants and
+``num_warps``. The recorded launches are then compiled ahead of time for sm_90 with Triton's own
+``ptxas`` and disassembled with ``nvdisasm`` (both ship with the triton wheel), and the SASS is counted.
+
+Per kernel: registers per thread, shared memory per program, SASS instructions per program (a static
+count; the codec kernels have no loops, the decode kernel's split loop is counted once per step),
+global loads and stores by width, and the bytes the program must move (what ``bench_codecs.py`` and
+``bench_decode.py`` count, divided by the programs of the launch).
+
+    python benchmarks/sass_profile.py [--out profile.json] [--only affine,mse,decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import inspect
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DIM, HEADS = 128, 8
+TORCH_TYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float64": "fp64",
+               "torch.uint8": "u8", "torch.int8": "i8", "torch.int16": "i16", "torch.int32": "i32", "torch.int64": "i64"}
+
+# sm_90 (H200 SXM): per SM
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS, ISSUE_PER_CYCLE = 65536, 227 * 1024, 64, 32, 4
+
+
+# ----------------------------------------------------------------------------- step 1: record launches
+
+
+def _record(out: str, only: set[str]) -> None:
+    """Run the launchers under the interpreter and write the launches to ``out`` (JSON)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import torch
+    import triton.runtime.interpreter as interp
+
+    sys.path.insert(0, str(ROOT))
+    import kvlab
+
+    launches, current = [], {}
+    run = interp.InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        params = inspect.signature(self.fn).parameters
+        kw = dict(kwargs)
+        opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+        bound = dict(zip(params, args)) | kw
+        sig, const, aligned = {}, {}, []
+        for i, (name, par) in enumerate(params.items()):
+            v = bound.get(name, par.default)
+            if "constexpr" in str(par.annotation) or v is None:
+                sig[name], const[name] = "constexpr", v
+            elif isinstance(v, torch.Tensor):
+                sig[name] = "*" + TORCH_TYPES[str(v.dtype)]
+                aligned += [i] if v.data_ptr() % 16 == 0 else []
+            elif isinstance(v, bool):
+                sig[name] = "i1"
+            elif isinstance(v, int):
+                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+                aligned += [i] if v % 16 == 0 else []
+            elif isinstance(v, float):
+                sig[name] = "fp32"
+            else:
+                raise TypeError(f"{self.fn.__name__}: argument {name} of type {type(v).__name__}")
+        g = grid(bound) if callable(grid) else grid
+        launches.append(dict(current, module=self.fn.__module__, kernel=self.fn.__name__, signature=sig, constants=const,
+                             aligned=aligned, options=opts, programs=math.prod(g)))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interp.InterpretedFunction.run = recording_run
+    g = torch.Generator().manual_seed(0)
+    rows = 1024  # vectors (token x head) per launch: enough programs for every launch shape
+    x = torch.randn(rows, DIM, generator=g).half()
+    if "affine" in only:
+        for axis in ("token", "channel"):
+            for bits in (2, 3, 4, 8):
+                nbytes = x.numel() * 2
+                current = dict(case=f"affine_pack {axis}", bits=bits)
+                codes = kvlab.pack_affine(x, bits, 32, axis, check=False)
+                current["bytes"] = nbytes + codes.numel()
+                launches[-1]["bytes"] = current["bytes"]
+                current = dict(case=f"affine_unpack {axis}", bits=bits, bytes=codes.numel() + nbytes)
+                kvlab.unpack_affine(codes, bits, 32, axis, DIM)
+    if "mse" in only:
+        kv = x.view(rows // HEADS, HEADS, DIM)
+        slots = torch.arange(rows // HEADS)
+        for bits in (2, 3, 4):
+            kc = kvlab.MSECodec(DIM, bits, rotation="hadamard", seed=1)
+            vc = kvlab.MSECodec(DIM, bits, rotation="hadamard", seed=2)
+            layout = kvlab.MSESlot(DIM, bits, bits)
+            cache = torch.zeros(rows // HEADS // 16, 16, HEADS, layout.slot_bytes, dtype=torch.uint8)
+            current = dict(case="mse_store hadamard, K+V", bits=bits, bytes=2 * kv.numel() * 2 + rows * layout.slot_bytes)
+            kvlab.store_mse(kv, kv, slots, cache, kc, vc, check=False)
+            current = dict(case="mse_load value, rotated", bits=bits, bytes=rows * (layout.value_code_bytes + 2 * DIM))
+            kvlab.load_mse(cache, slots, vc, part="value", check=False)
+    if "decode" in only:
+        from kvlab.decode import decode_attention
+        hq, block, context = 32, 16, 1024
+        for bits in (4, 3, 2):
+            kc, vc = kvlab.MSECodec(DIM, bits, seed=1), kvlab.MSECodec(DIM, bits, seed=2)
+            layout = kvlab.MSESlot(DIM, bits, bits)
+            cache = torch.zeros(context // block, block, HEADS, layout.slot_bytes, dtype=torch.uint8)
+            block_table = torch.arange(context // block, dtype=torch.int32)[None]
+            q = torch.randn(1, hq, DIM, generator=g).half()
+            # one step of the split loop: BLOCK_N keys of one KV head
+            current = dict(case="decode split step", bits=bits)
+            decode_attention(q, cache, block_table, torch.tensor([context], dtype=torch.int32), kc, vc, num_splits=1, check=False)
+            for rec in launches:
+                if rec.get("case") == "decode split step" and rec["kernel"] == "_decode_split_kernel" and "bytes" not in rec:
+                    rec["bytes"] = rec["constants"]["BLOCK_N"] * layout.slot_bytes
+                    rec["programs"] = 1
+    launches = [r for r in launches if "case" in r and "bytes" in r and not r["kernel"].startswith("_merge")]
+    per_case = collections.Counter((r["case"], r["bits"]) for r in launches)
+    for r in launches:  # a case launched as several kernels (the MSE store: keys, then values) splits its bytes
+        r["bytes"] /= per_case[(r["case"], r["bits"])]
+    Path(out).write_text(json.dumps(launches, default=str))
+
+
+# ----------------------------------------------------------------------------- step 2: compile and count
+
+
+def _bin(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def _sass(launch: dict) -> tuple[str, str]:
+    """Compile one recorded launch for sm_90 (with the real, not interpreted, kernel): SASS and resource usage."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = dict(launch["constants"])
+    for name, value in (("FAST", True), ("INTERPRETED", False), ("SPLIT_STEPS", None), ("BF16_BY_BITS", False)):
+        if name in const:
+            const[name] = value  # what the launchers pass when compiled
+    fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    attrs = {(i,): [["tt.divisibility", 16]] for i in launch["aligned"]}
+    options = {k: v for k, v in launch["options"].items() if k == "num_warps"}
+    compiled = triton.compile(ASTSource(fn, launch["signature"], const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([_bin("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+    return sass, usage
+
+
+def _opcodes(lines: list[str]) -> collections.Counter:
+    ops = collections.Counter()
+    for line in lines:
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def _loop_body(sass: str) -> list[str]:
+    """The lines of the largest loop (a label and the backward branch to it), or all lines."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\.L_x_(\d+):", line))}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and (best is None or i - labels[m.group(1)] > best[1] - best[0]):
+            best = (labels[m.group(1)], i)
+    return lines[best[0]:best[1] + 1] if best else lines
+
+
+def _access_bytes(op: str) -> int:
+    """Bytes per thread of a global load/store opcode (LDG.E.128 -> 16, LDG.E -> 4, LDG.E.U8 -> 1)."""
+    for suffix, n in ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1), (".S8", 1)):
+        if suffix in op:
+            return n
+    return 4
+
+
+def profile(launch: dict) -> dict:
+    sass, usage = _sass(launch)
+    loop = launch["kernel"] == "_decode_split_kernel"
+    ops = _opcodes(_loop_body(sass) if loop else sass.splitlines())
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    shared = int(re.search(r"SHARED:(\d+)", usage).group(1))
+    warps = launch["options"].get("num_warps", 4)
+    instr = sum(ops.values())
+    # occupancy: registers are allocated per warp in units of 256, shared memory per CTA (+1 KiB reserved)
+    warp_regs = math.ceil(regs * 32 / 256) * 256
+    ctas = min(SM_REGISTERS // (warp_regs * warps), SM_WARPS // warps, SM_CTAS,
+               SM_SHARED // (shared + 1024) if shared else SM_CTAS)
+    loads = {op: n for op, n in ops.items() if op.startswith("LDG")}
+    stores = {op: n for op, n in ops.items() if op.startswith("STG")}
+    bytes_per_program = launch["bytes"] / launch["programs"]
+    return dict(
+        case=launch["case"], bits=launch["bits"], kernel=launch["kernel"], num_warps=warps, registers=regs,
+        shared_bytes=shared, warps_per_sm=ctas * warps, instructions=instr,
+        shared_stores=sum(n for op, n in ops.items() if op.startswith(("STS", "STSM"))),
+        barriers=sum(n for op, n in ops.items() if op.startswith("BAR")),
+        shuffles=sum(n for op, n in ops.items() if op.startswith("SHFL")),
+        global_loads=sum(loads.values()), global_stores=sum(stores.values()),
+        widest_load=max(map(_access_bytes, loads), default=0), widest_store=max(map(_access_bytes, stores), default=0),
+        narrowest_store=min(map(_access_bytes, stores), default=0),
+        bytes_per_program=bytes_per_program,
+        # warp instructions an SM must issue per byte the kernel moves
+        instructions_per_byte=instr * warps / bytes_per_program,
+        per="step of BLOCK_N keys" if loop else "program",
+        block_n=launch["constants"].get("BLOCK_N"),
+    )
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", help="write the profiles here (JSON)")
+    ap.add_argument("--only", default="affine,mse,decode")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = Path(tmp) / "launches.json"
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+        subprocess.run([sys.executable, __file__, "--record-to", str(rec), "--only", args.only], env=env, check=True)
+        launches = json.loads(rec.read_text())
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, str(ROOT))
+    rows = [profile(launch) for launch in launches]
+    import triton
+
+    meta = dict(target="sm_90 (H200)", triton=triton.__version__, dim=DIM, heads=HEADS)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(meta, profiles=rows), indent=1))
+    for r in rows:
+        print(f"{r['case']:26s} b={r['bits']} regs {r['registers']:3d} warps/SM {r['warps_per_sm']:2d} "
+              f"instr/{r['per'][:4]} {r['instructions']:5d}  {r['instructions_per_byte']:.3f} warp-instr/B  "
+              f"ld {r['widest_load']:2d} B st {r['narrowest_store']}-{r['widest_store']} B  STS {r['shared_stores']} BAR {r['barriers']}")
+    return rows
+
+
+if __name__ == "__main__":
+    if "--record-to" in sys.argv:
+        i = sys.argv.index("--record-to")
+        only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else "affine,mse,decode"
+        _record(sys.argv[i + 1], set(only.split(",")))
+    else:
+        main()
