@@ -679,6 +679,14 @@ def _device_table(codec, name, device, build):
     return _cached(codec, (name, device), source, lambda s: build(s).to(device))
 
 
+def _interpreter_runs_ptx() -> bool:
+    """Whether Triton's interpreter has been given a way to run inline PTX (kvlab's tests install an
+    emulator of the few instructions the fast path uses, ``tests/ptx.py``)."""
+    from triton.runtime import interpreter
+
+    return getattr(interpreter.InterpreterBuilder.create_inline_asm, "emulates_ptx", False)
+
+
 def _is_mse(codec) -> bool:
     return all(hasattr(codec, a) for a in ("rotation", "centroids", "norm_correction", "bits", "dim"))
 
@@ -918,7 +926,7 @@ def decode_attention(
         raise TypeError(f"prefetch must be a bool, got {type(prefetch).__name__}")
     if prefetch and kind != "mse":
         raise ValueError("prefetch=True applies to MSE caches (the affine path is not pipelined)")
-    if fast and interpreted:
+    if fast and interpreted and not _interpreter_runs_ptx():
         raise ValueError("fast=True needs a CUDA device (inline PTX); use fast=False or None on the CPU")
 
     device = q.device

@@ -1,6 +1,7 @@
 """Test-wide setup.
 
-* Triton runs in its interpreter when no GPU is present (set before anything imports triton).
+* Triton runs in its interpreter when no GPU is present (set before anything imports triton), with
+  an emulator of the inline PTX the decode kernel's fast path uses (``tests/ptx.py``).
 * ``torch.empty`` and ``torch.empty_like`` return NaN-filled (float) or 0xFF-filled (integer)
   tensors, so a kernel that leaves part of its output unwritten fails loudly instead of passing on
   leftover memory.
@@ -16,6 +17,9 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import ptx  # noqa: E402  (tests/ptx.py: the interpreter runs the decode kernel's inline PTX too)
+
+    ptx.install()
 
 _empty, _empty_like = torch.empty, torch.empty_like
 

@@ -2,9 +2,9 @@
 
 Caches are written by the reference codecs (``write_slots`` / ``write_affine_slots``), physical blocks
 are shuffled, unused block-table entries point far outside the cache, and the output is compared by
-relative error (Frobenius norm over the whole output). On a GPU the kernels are compiled and both the
-``prmt`` lookup (``fast=True``) and the generic unpack run; on the CPU the interpreter runs the generic
-unpack at small sizes.
+relative error (Frobenius norm over the whole output). Both the ``prmt`` lookup (``fast=True``) and the
+generic unpack run: compiled on a GPU, and on a CPU in the interpreter at small sizes, the lookup's
+inline PTX through the emulator of ``tests/ptx.py``.
 """
 
 import functools
@@ -38,7 +38,7 @@ AFFINE_CASES = [
     ([90], 8, 1, 128, 4, 8, 16, 64),
 ]
 AFFINE_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-k{c[4]}v{c[5]}-bs{c[6]}-g{c[7]}" for c in AFFINE_CASES]
-FAST = [False, True] if CUDA else [False]
+FAST = [False, True]  # on a CPU the fast path runs through the PTX emulator of tests/ptx.py
 
 
 def rel_err(a, b):
@@ -285,7 +285,7 @@ def good(device):
     return mse_setup(([20, 5], 4, 2, 64, 4, 4, 8, "haar"), device)
 
 
-def test_bad_inputs(good, device):
+def test_bad_inputs(good, device, monkeypatch):
     q, cache, block_table, seq_lens, kc, vc = good
     q = q.half()
 
@@ -346,7 +346,10 @@ def test_bad_inputs(good, device):
         call(num_splits=0)
     with pytest.raises(ValueError, match="block_n must be one of"):
         call(block_n=48)
-    if not CUDA:
+    if not CUDA:  # an interpreter that cannot run inline PTX (no emulator installed)
+        from triton.runtime import interpreter
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", lambda *a, **k: None)
         with pytest.raises(ValueError, match="fast=True needs a CUDA device"):
             call(fast=True)
 
@@ -382,3 +385,21 @@ def test_bad_prefetch(device):
     q, cache, block_table, seq_lens, kc, vc = affine_setup(AFFINE_CASES[1], device)
     with pytest.raises(ValueError, match="prefetch=True applies to MSE caches"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, prefetch=True)
+
+
+def test_ptx_emulator():
+    """The emulator behind the fast path's CPU tests: byte permutes as PTX defines them (with sign
+    replication), fp16-pair arithmetic, and a clear error for an instruction it does not know."""
+    import numpy as np
+    import ptx
+
+    a, b = np.array([0x03020100], dtype=np.uint32), np.array([0x07060504], dtype=np.uint32)
+    (d,) = ptx.run("prmt.b32 $0, $1, $2, 0x5140;", "=r,r,r", [a, b])
+    assert d[0] == 0x05010400
+    (d,) = ptx.run("prmt.b32 $0, $1, $2, 0x0008;", "=r,r,r", [np.array([0x80], dtype=np.uint32), b])
+    assert d[0] == 0x808080FF  # byte 0: the sign of byte 0 (0x80) replicated; bytes 1-3: byte 0 itself
+    one_two = np.array([0x40003C00], dtype=np.uint32)  # fp16 pair (1.0, 2.0)
+    (d,) = ptx.run("fma.rn.f16x2 $0, $1, $1, $1;", "=r,r", [one_two])
+    assert d[0] == 0x46004000  # (1 * 1 + 1, 2 * 2 + 2) = (2.0, 6.0)
+    with pytest.raises(NotImplementedError, match="add.u32"):
+        ptx.run("add.u32 $0, $1, $1;", "=r,r", [a])
