@@ -63,6 +63,7 @@ FLAG_OVERFLOW = tl.constexpr(2)  # a group's scale or zero overflows fp16
 TILE_ELEMENTS = 4096  # default tile: elements per program (token axis)
 CHANNEL_PACK_TILE = 16384  # channel axis: 4 codes of 32 x 128 per program to encode, 2 to decode
 CHANNEL_UNPACK_TILE = 8192
+MAX_TILE_ELEMENTS = 1 << 16  # largest tile a launch may ask for (block_rows x elements per row)
 
 
 # ----------------------------------------------------------------------------- bit fields
@@ -625,6 +626,12 @@ def _raise_flags(flags: torch.Tensor) -> None:
 
 
 def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMENTS) -> int:
+    """Rows (vectors, or codes on the channel axis) per program: ``block``, or the default tile."""
+    if block is not None and block * row_elements > MAX_TILE_ELEMENTS:
+        raise ValueError(
+            f"block_rows={block} gives {block * row_elements} elements per program, more than {MAX_TILE_ELEMENTS}: "
+            f"compiled, a program holds its tile in registers (and such a kernel takes minutes to compile); "
+            f"use block_rows <= {max(1, MAX_TILE_ELEMENTS // row_elements)}")
     return block if block is not None else max(1, min(128, tile // row_elements))
 
 
@@ -647,7 +654,7 @@ def pack_affine(
     groups (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
     ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two
     (default: about 4096 elements per program on the token axis, 16384 on the channel axis, 4 codes of
-    32 x 128; the fastest on an H200).
+    32 x 128; the fastest on an H200), at most 65536 elements per program.
     """
     _check_codec(bits, group_size, axis)
     _check_tunables("block_rows", block_rows, num_warps)

@@ -132,7 +132,8 @@ def test_sizes_that_are_not_powers_of_two(bits, axis, group_size, shape):
 def test_tunables_do_not_change_codes(axis):
     x = make_x((3, 32, 128), axis, 32, seed=3).half()
     ref = AffineCodec(4, 32, axis).encode(x)
-    for block_rows, num_warps in [(1, 1), (2, 2), (8, 8), (256, 4)]:
+    largest = 256 if axis == "token" else 16  # a channel-axis "row" is a code of 32 x 128 elements
+    for block_rows, num_warps in [(1, 1), (2, 2), (8, 8), (largest, 4)]:
         codes = pack_affine(x, 4, 32, axis, block_rows=block_rows, num_warps=num_warps)
         assert_codes_equal(codes, ref)
         out = unpack_affine(codes, 4, 32, axis, 128, block_rows=block_rows, num_warps=num_warps)
@@ -308,6 +309,9 @@ BAD = [
     ("out_dtype", lambda: unpack_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 64, torch.int8), TypeError, "out_dtype"),
     ("block_rows not a power of two", lambda: pack_affine(_x(2, 64), 4, 32, block_rows=3), ValueError, "block_rows must be a power of two"),
     ("num_warps", lambda: pack_affine(_x(2, 64), 4, 32, num_warps=3), ValueError, "num_warps"),
+    ("tile too large", lambda: pack_affine(_x(64, 128), 4, 32, "channel", block_rows=32), ValueError, "block_rows=32 gives 131072 elements"),
+    ("unpack tile too large", lambda: unpack_affine(torch.zeros(2, 80, dtype=torch.uint8), 4, 32, "token", 128, block_rows=1024),
+     ValueError, "more than 65536"),
     ("bit_alloc entry", lambda: MixedAffineLayout([4, 5], 64, 32), ValueError, r"bit_alloc entries must be in .* bit_alloc\[1\] = 5"),
     ("bit_alloc entry type", lambda: MixedAffineLayout([4, "8"], 64, 32), TypeError, r"bit_alloc\[1\] must be an int"),
     ("bit_alloc empty", lambda: MixedAffineLayout([], 64, 32), ValueError, "bit_alloc must have one entry per head"),
