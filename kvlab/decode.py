@@ -75,7 +75,10 @@ How (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per s
       by the merge kernel, so the order is invisible outside.
     * Without a GPU (Triton's interpreter) and with ``fast=False`` the kernel unpacks each index with
       shifts and gathers its centroid from the table instead: same tile order, same result up to fp16
-      rounding.
+      rounding. (The interpreter cannot run inline PTX; kvlab's tests give it an emulator of these few
+      instructions, ``tests/ptx.py``, and run the lookup path on the CPU too.)
+    * Code words are addressed as 32-bit (or, for 2-byte aligned values, 16-bit) pointers plus a word
+      index, so the compiler sees each row's words as contiguous and a warp's lanes read along rows.
     * A step is a read (``_fetch_tile``: block-table entries, code words, norms) and the arithmetic on
       it (``_attend_mse``); ``prefetch=True`` issues step ``i + 1``'s read before step ``i``'s arithmetic.
 
