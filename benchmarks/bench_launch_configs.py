@@ -96,7 +96,7 @@ def main():
         xx = flat if axis == "token" else by_head
         for bits in (4, 3, 8, 2):
             codes = kvlab.pack_affine(xx, bits, 32, axis)
-            blocks = (8, 32, 128) if axis == "token" else (1, 2, 4)
+            blocks = (8, 32, 128) if axis == "token" else (1, 2, 4, 8)
             configs = ([dict(block_rows=blocks[1] if axis == "token" else 1, num_warps=4)] if bits == 2
                        else [dict(block_rows=br, num_warps=w) for br in blocks for w in (4, 8)])
             timed("affine_pack", f"{axis} groups of 32", bits, configs,
