@@ -50,7 +50,7 @@ def _record(out: str, only: set[str]) -> None:
     sys.path.insert(0, str(ROOT))
     import kvlab
 
-    launches, current = [], {}
+    launches = []
     run = interp.InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
@@ -76,24 +76,40 @@ def _record(out: str, only: set[str]) -> None:
             else:
                 raise TypeError(f"{self.fn.__name__}: argument {name} of type {type(v).__name__}")
         g = grid(bound) if callable(grid) else grid
-        launches.append(dict(current, module=self.fn.__module__, kernel=self.fn.__name__, signature=sig, constants=const,
+        launches.append(dict(module=self.fn.__module__, kernel=self.fn.__name__, signature=sig, constants=const,
                              aligned=aligned, options=opts, programs=math.prod(g)))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interp.InterpretedFunction.run = recording_run
+
+    def case(name, bits, call, nbytes=None, per_program=None):
+        """Record the kernel launches of ``call()`` as ``name``: the bytes it must move (``nbytes``, or
+        a function of its result), shared by its launches (the MSE store launches keys, then values);
+        or, for a loop, the bytes of one step (``per_program``, one program counted)."""
+        first = len(launches)
+        result = call()
+        mine = [r for r in launches[first:] if not r["kernel"].startswith("_merge")]  # decode: the split kernel only
+        del launches[first:]
+        total = nbytes(result) if callable(nbytes) else nbytes
+        for r in mine:
+            r.update(case=name, bits=bits)
+            if per_program is not None:
+                r.update(bytes=per_program(r), programs=1)
+            else:
+                r["bytes"] = total / len(mine)
+        launches.extend(mine)
+        return result
+
     g = torch.Generator().manual_seed(0)
     rows = 1024  # vectors (token x head) per launch: enough programs for every launch shape
     x = torch.randn(rows, DIM, generator=g).half()
     if "affine" in only:
         for axis in ("token", "channel"):
             for bits in (2, 3, 4, 8):
-                nbytes = x.numel() * 2
-                current = dict(case=f"affine_pack {axis}", bits=bits)
-                codes = kvlab.pack_affine(x, bits, 32, axis, check=False)
-                current["bytes"] = nbytes + codes.numel()
-                launches[-1]["bytes"] = current["bytes"]
-                current = dict(case=f"affine_unpack {axis}", bits=bits, bytes=codes.numel() + nbytes)
-                kvlab.unpack_affine(codes, bits, 32, axis, DIM)
+                codes = case(f"affine_pack {axis}", bits, lambda: kvlab.pack_affine(x, bits, 32, axis, check=False),
+                             lambda codes: x.numel() * 2 + codes.numel())
+                case(f"affine_unpack {axis}", bits, lambda: kvlab.unpack_affine(codes, bits, 32, axis, DIM),
+                     codes.numel() + x.numel() * 2)
     if "mse" in only:
         kv = x.view(rows // HEADS, HEADS, DIM)
         slots = torch.arange(rows // HEADS)
@@ -102,12 +118,13 @@ def _record(out: str, only: set[str]) -> None:
             vc = kvlab.MSECodec(DIM, bits, rotation="hadamard", seed=2)
             layout = kvlab.MSESlot(DIM, bits, bits)
             cache = torch.zeros(rows // HEADS // 16, 16, HEADS, layout.slot_bytes, dtype=torch.uint8)
-            current = dict(case="mse_store hadamard, K+V", bits=bits, bytes=2 * kv.numel() * 2 + rows * layout.slot_bytes)
-            kvlab.store_mse(kv, kv, slots, cache, kc, vc, check=False)
-            current = dict(case="mse_load value, rotated", bits=bits, bytes=rows * (layout.value_code_bytes + 2 * DIM))
-            kvlab.load_mse(cache, slots, vc, part="value", check=False)
+            case("mse_store hadamard, K+V", bits, lambda: kvlab.store_mse(kv, kv, slots, cache, kc, vc, check=False),
+                 2 * kv.numel() * 2 + rows * layout.slot_bytes)
+            case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
+                 rows * (layout.value_code_bytes + 2 * DIM))
     if "decode" in only:
         from kvlab.decode import decode_attention
+
         hq, block, context = 32, 16, 1024
         for bits in (4, 3, 2):
             kc, vc = kvlab.MSECodec(DIM, bits, seed=1), kvlab.MSECodec(DIM, bits, seed=2)
@@ -115,17 +132,10 @@ def _record(out: str, only: set[str]) -> None:
             cache = torch.zeros(context // block, block, HEADS, layout.slot_bytes, dtype=torch.uint8)
             block_table = torch.arange(context // block, dtype=torch.int32)[None]
             q = torch.randn(1, hq, DIM, generator=g).half()
+            seq_lens = torch.tensor([context], dtype=torch.int32)
             # one step of the split loop: BLOCK_N keys of one KV head
-            current = dict(case="decode split step", bits=bits)
-            decode_attention(q, cache, block_table, torch.tensor([context], dtype=torch.int32), kc, vc, num_splits=1, check=False)
-            for rec in launches:
-                if rec.get("case") == "decode split step" and rec["kernel"] == "_decode_split_kernel" and "bytes" not in rec:
-                    rec["bytes"] = rec["constants"]["BLOCK_N"] * layout.slot_bytes
-                    rec["programs"] = 1
-    launches = [r for r in launches if "case" in r and "bytes" in r and not r["kernel"].startswith("_merge")]
-    per_case = collections.Counter((r["case"], r["bits"]) for r in launches)
-    for r in launches:  # a case launched as several kernels (the MSE store: keys, then values) splits its bytes
-        r["bytes"] /= per_case[(r["case"], r["bits"])]
+            case("decode split step", bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False),
+                 per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
     Path(out).write_text(json.dumps(launches, default=str))
 
 
