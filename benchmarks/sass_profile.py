@@ -1,9 +1,9 @@
 """What the compiler makes of kvlab's kernels on the H200 (sm_90), measured on any machine.
 
 Each kernel is launched once at a benchmark-like shape (dim 128, 8 heads) with its default launch
-configuration and ``check=False`` (as the benchmarks time them) under the Triton interpreter, which records the launch: argument types, which pointers
-and integers are multiples of 16 (Triton specialises on that), the compile-time constants and
-``num_warps``. The recorded launches are then compiled ahead of time for sm_90 with Triton's own
+configuration and ``check=False`` (as the benchmarks time them) under the Triton interpreter, which
+records the launch: argument types, which pointers and integers are multiples of 16 (Triton
+specialises on that), the compile-time constants and ``num_warps``. The recorded launches are then compiled ahead of time for sm_90 with Triton's own
 ``ptxas`` and disassembled with ``nvdisasm`` (both ship with the triton wheel), and the SASS is counted.
 
 Per kernel: registers per thread, shared memory per program, SASS instructions per program (a static
@@ -34,8 +34,8 @@ DIM, HEADS = 128, 8
 TORCH_TYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float64": "fp64",
                "torch.uint8": "u8", "torch.int8": "i8", "torch.int16": "i16", "torch.int32": "i32", "torch.int64": "i64"}
 
-# sm_90 (H200 SXM): per SM
-SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS, ISSUE_PER_CYCLE = 65536, 227 * 1024, 64, 32, 4
+# sm_90 (H200 SXM), per SM: registers, shared memory, resident warps and thread blocks
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS = 65536, 227 * 1024, 64, 32
 
 
 # ----------------------------------------------------------------------------- step 1: record launches
