@@ -398,6 +398,16 @@ def _load_norm(cache_ptr, o_at, m_n):
 
 
 @triton.jit
+def _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                  BLOCK_SIZE: tl.constexpr):
+    """Keys ``o_n`` of sequence ``i_b`` -> (valid below ``end``, byte offset of each one's slot of KV head
+    ``i_h`` in the cache, int64), through the block table."""
+    m_n = o_n < end
+    b_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
+    return m_n, b_blk * stride_block + (o_n % BLOCK_SIZE) * stride_pos + i_h * stride_head
+
+
+@triton.jit
 def _fetch_tile(
     cache_ptr, block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
     BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
@@ -406,9 +416,8 @@ def _fetch_tile(
 ):
     """The memory reads of one MSE step: keys ``o_n`` ([BLOCK_N] positions, valid below ``end``) ->
     key words (3), key norms, value words (3), value norms, as ``_attend_mse`` takes them."""
-    m_n = o_n < end
-    b_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
-    o_slot = b_blk * stride_block + (o_n % BLOCK_SIZE) * stride_pos + i_h * stride_head  # [BN] int64
+    m_n, o_slot = _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                                BLOCK_SIZE)
     if FAST:
         k0, k1, k2 = _mse_words(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, True)
         v0, v1, v2 = _mse_words(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, VALUE_ALIGN4)
@@ -492,9 +501,8 @@ def _attend_affine(
     VALUE_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One step over token-axis affine codes: dequantize ``n s + z`` per group tile, then the same update."""
-    m_n = o_n < end
-    b_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
-    o_slot = b_blk * stride_block + (o_n % BLOCK_SIZE) * stride_pos + i_h * stride_head  # [BN] int64
+    m_n, o_slot = _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                                BLOCK_SIZE)
     b_k = _affine_tile(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
     b_s = tl.where(m_n[None, :], tl.dot(b_q, tl.trans(b_k)), float("-inf"))  # [BG, BN]
     b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l)

@@ -220,7 +220,7 @@ def _read_words_kernel(cache_ptr, o_base_ptr, out_ptr, BN: tl.constexpr, D: tl.c
 def test_fast_path_reads_the_code_words(bits, align4, device):
     """The code words the prmt lookup takes (``_mse_words``): little-endian 32-bit words of the packed
     indices of each row, from 4-byte or (values) 2-byte aligned starts; a masked row reads zeros. (The
-    lookup itself is inline PTX: it runs compiled, in the decode tests on a GPU.)"""
+    lookup itself is inline PTX, which the decode tests run compiled on a GPU, or through tests/ptx.py.)"""
     bn, dim = 8, 128
     nbytes = dim * bits // 8
     g = torch.Generator().manual_seed(bits)
