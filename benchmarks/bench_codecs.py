@@ -132,6 +132,10 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "codec_kernels.partial.csv"  # every row as it is measured: a run cut short keeps them
     partial.unlink(missing_ok=True)
+    run_keys = ("device", "torch", "triton", "date", "copy_gbps")  # every CSV row also names the run
+
+    def csv_row(row):
+        return {**row, **{k: meta[k] for k in run_keys}}
 
     def record(kernel, variant, bits, n, ms, nbytes, config=None):
         gbps = nbytes / ms / 1e6
@@ -140,10 +144,10 @@ def main():
                    config=" ".join(f"{k}={v}" for k, v in (config or {}).items()))
         rows.append(row)
         with open(partial, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(row) + ["device", "torch", "triton", "date", "copy_gbps"])
+            w = csv.DictWriter(f, fieldnames=list(csv_row(row)))
             if len(rows) == 1:
                 w.writeheader()
-            w.writerow({**row, **{k: meta[k] for k in ("device", "torch", "triton", "date", "copy_gbps")}})
+            w.writerow(csv_row(row))
         print(f"{kernel:22s} {variant:26s} b={bits!s:5s} n={n/1e6:5.1f}M {ms:8.3f} ms {gbps:7.0f} GB/s "
               f"{100 * row['frac_copy']:5.1f} %", flush=True)
 
@@ -251,12 +255,11 @@ def main():
 
     meta["checks"] = checks
     print(json.dumps(checks, indent=1))
-    keys = list(rows[0]) + ["device", "torch", "triton", "date", "copy_gbps"]
     with open(out_dir / "codec_kernels.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
+        w = csv.DictWriter(f, fieldnames=list(csv_row(rows[0])))
         w.writeheader()
         for r in rows:
-            w.writerow({**r, **{k: meta[k] for k in ("device", "torch", "triton", "date", "copy_gbps")}})
+            w.writerow(csv_row(r))
     (out_dir / "codec_kernels.json").write_text(json.dumps(meta, indent=1))
     partial.unlink()
     print(f"wrote {out_dir / 'codec_kernels.csv'}")
