@@ -8,8 +8,9 @@ specialises on that), the compile-time constants and ``num_warps``. The recorded
 
 Per kernel: registers per thread, shared memory per program, SASS instructions per program (a static
 count; the codec kernels have no loops, the decode kernel's split loop is counted once per step),
-global loads and stores by width, and the bytes the program must move (what ``bench_codecs.py`` and
-``bench_decode.py`` count, divided by the programs of the launch).
+global loads and stores by width, the bytes the program must move (what ``bench_codecs.py`` and
+``bench_decode.py`` count, divided by the programs of the launch), and the issue ceiling: the
+bandwidth at which the SMs would issue one warp instruction every clock (4 per SM, 132 SMs, 1.98 GHz).
 
     python benchmarks/sass_profile.py [--out profile.json] [--only affine,mse,decode]
 """
@@ -36,6 +37,8 @@ TORCH_TYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32
 
 # sm_90 (H200 SXM), per SM: registers, shared memory, resident warps and thread blocks
 SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS = 65536, 227 * 1024, 64, 32
+# the whole H200: SMs, boost clock, warp instructions an SM issues per clock (the issue ceiling)
+SM_COUNT, CLOCK_GHZ, ISSUE_PER_CLOCK = 132, 1.98, 4
 
 
 # ----------------------------------------------------------------------------- step 1: record launches
@@ -226,8 +229,10 @@ def profile(launch: dict) -> dict:
         widest_load=max(map(_access_bytes, loads), default=0), widest_store=max(map(_access_bytes, stores), default=0),
         narrowest_store=min(map(_access_bytes, stores), default=0),
         bytes_per_program=bytes_per_program,
-        # warp instructions an SM must issue per byte the kernel moves
+        # warp instructions an SM must issue per byte the kernel moves, and the bandwidth that allows
+        # with an instruction issued every clock
         instructions_per_byte=instr * warps / bytes_per_program,
+        issue_ceiling_gbps=ISSUE_PER_CLOCK * SM_COUNT * CLOCK_GHZ / (instr * warps / bytes_per_program),
         per="step of BLOCK_N keys" if loop else "program",
         block_n=launch["constants"].get("BLOCK_N"),
     )
@@ -249,7 +254,8 @@ def main(argv=None) -> list[dict]:
     rows = [profile(launch) for launch in launches]
     import triton
 
-    meta = dict(target="sm_90 (H200)", triton=triton.__version__, dim=DIM, heads=HEADS)
+    meta = dict(target="sm_90 (H200)", triton=triton.__version__, dim=DIM, heads=HEADS, sm_count=SM_COUNT,
+                clock_ghz=CLOCK_GHZ, issue_per_clock=ISSUE_PER_CLOCK)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(meta, profiles=rows), indent=1))
     for r in rows:
