@@ -90,6 +90,7 @@ Reference
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -818,9 +819,13 @@ def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
         raise TypeError(f"value_codec must be a kvlab.MSECodec, got {type(value_codec).__name__}")
     if output.shape[-1] != value_codec.dim:
         raise ValueError(f"output's last dimension ({output.shape[-1]}) must equal value_codec.dim ({value_codec.dim})")
+    return _to_model_space(output, value_codec)
+
+
+def _to_model_space(output: torch.Tensor, value_codec) -> torch.Tensor:
     rot = _device_table(value_codec, "rotation", output.device, lambda r: r.to(torch.float32).contiguous())
     shape = output.shape
-    return (output.reshape(-1, shape[-1]).float() @ rot.T).reshape(shape)
+    return torch.mm(output.reshape(-1, shape[-1]).float(), rot.T).reshape(shape)
 
 
 def _rope_table(key_codec, length: int, offset: int, device) -> torch.Tensor:
@@ -855,10 +860,24 @@ def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: i
     return ab @ _rope_table(key_codec, length, position_offset, q.device).T
 
 
+# Host-side integer helpers: decode runs once per generated token, so the launcher's own cost counts
+# (``triton.cdiv`` and ``triton.next_power_of_2`` are JIT functions, slow to call from Python).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, batch * num_kv_heads))
-    return max(1, min(want, triton.cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
+    want = _cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
+    return max(1, min(want, _cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
 
 
 def decode_attention(
@@ -942,24 +961,28 @@ def decode_attention(
 
     device = q.device
     G = num_q_heads // num_kv_heads
-    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(capacity, split_len)  # no empty trailing splits
+    split_len = _cdiv(_cdiv(capacity, num_splits), block_n) * block_n
+    num_splits = _cdiv(capacity, split_len)  # no empty trailing splits
     tables_k = tables_v = (0, 0, 0, 0)
     if kind == "mse":
         if fast:
             tables_k, tables_v = _prmt_tables(key_codec), _prmt_tables(value_codec)
             if tables_k is None or tables_v is None:
                 raise ValueError("fast=True needs a symmetric fp16 codebook for 4-bit codecs; use fast=False")
-        # the rotation with its columns in the key tile order: q R[:, order] is the permuted rotated query
-        rot_k = _cached(key_codec, ("rotation_tile_order", device), key_codec.rotation,
-                        lambda r: r.to(device=device, dtype=torch.float32)[:, tile_order(key_codec.bits, dim).to(device)].contiguous())
+        # the rotation with its columns in the key tile order, times the softmax scale and log2(e):
+        # q R[:, order] is the permuted rotated query, ready for base-2 exponentials
+        q_scale = scale * LOG2E
+        rot_k = _cached(key_codec, ("query_rotation", device, q_scale), key_codec.rotation,
+                        lambda r: (r.to(device=device, dtype=torch.float32)[:, tile_order(key_codec.bits, dim).to(device)]
+                                   * q_scale).contiguous())
         order_v = _cached(value_codec, ("tile_order", device), value_codec.centroids,
                           lambda _: tile_order(value_codec.bits, dim).to(device=device, dtype=torch.int32))
         q_in = q.float()
         if centered is not None:  # q . (scale * z) = (q * scale) . z: scale the query, not the keys
-            key_scale = _device_table(centered, "scale", device, lambda t: t.to(torch.float32).contiguous())
-            q_in = q_in * key_scale.repeat_interleave(G, 0)
-        q_in = q_in @ rot_k
+            key_scale = _cached(centered, ("scale_rows", device, G), centered.scale,
+                                lambda t: t.to(device=device, dtype=torch.float32).repeat_interleave(G, 0).contiguous())
+            q_in = q_in * key_scale
+        q_in = torch.matmul(q_in, rot_k).to(torch.float16)
         cent_k = _device_table(key_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
         cent_v = _device_table(value_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
         offsets = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
@@ -972,7 +995,7 @@ def decode_attention(
         cent_k = cent_v = order_v  # unused
         offsets = dict(KEY_NORM_OFFSET=0, VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=0,
                        VALUE_ALIGN4=True, GROUP=key_codec.group_size)
-    q_in = (q_in * (scale * LOG2E)).to(torch.float16).contiguous()
+        q_in = (q_in * (scale * LOG2E)).to(torch.float16).contiguous()
     bias = None
     if centered is not None and centered.rope is not None:
         bias = (rope_mean_scores(q, centered, capacity, position_offset) * (scale * LOG2E)).contiguous()
@@ -983,7 +1006,8 @@ def decode_attention(
     if batch == 0:
         return out.to(q.dtype)
     extra = {} if num_stages is None else dict(num_stages=num_stages)
-    with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+    other_gpu = device.type == "cuda" and device.index not in (None, torch.cuda.current_device())
+    with torch.cuda.device(device) if other_gpu else _nullcontext():
         _decode_split_kernel[(batch * num_kv_heads, num_splits)](
             q_in, cache, block_table, seq_lens, cent_k, cent_v, o_part, ml_part,
             o_part if bias is None else bias,  # not read without a bias
@@ -993,7 +1017,7 @@ def decode_attention(
             0 if bias is None else bias.stride(1),
             HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=block_size, D=dim, AFFINE=kind == "affine",
             BITS_K=key_codec.bits, BITS_V=value_codec.bits, **offsets,
-            BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
+            BLOCK_G=max(16, _next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
             PREFETCH=prefetch,
             INTERPRETED=interpreted,
             SPLIT_STEPS=split_len // block_n if interpreted else 0,
@@ -1001,10 +1025,10 @@ def decode_attention(
         )  # fmt: skip
         _merge_splits_kernel[(batch * num_q_heads,)](
             o_part, ml_part, order_v, out, num_splits,
-            D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+            D=dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), num_warps=4,
         )  # fmt: skip
     if kind == "mse":
-        out = rotate_attention_output(out, value_codec)
+        out = _to_model_space(out, value_codec)
     return out.to(q.dtype)
 
 
