@@ -326,7 +326,7 @@ def test_cache_back_ends_agree(device):
     assert ref.backend == "reference" and tri.backend == "triton"
     assert torch.equal(ref.mse.cache.cpu(), tri.mse.cache.cpu())
     for a, b in zip(outs["reference"], outs["triton"]):
-        torch.testing.assert_close(a, b.cpu(), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-6, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- bad input
