@@ -163,7 +163,7 @@ def _sass(launch: dict) -> tuple[str, str]:
             const[name] = value  # what the launchers pass when compiled
     fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["aligned"]}
-    options = {k: v for k, v in launch["options"].items() if k == "num_warps"}
+    options = {k: v for k, v in launch["options"].items() if k in ("num_warps", "maxnreg")}
     compiled = triton.compile(ASTSource(fn, launch["signature"], const, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     with tempfile.TemporaryDirectory() as tmp:
