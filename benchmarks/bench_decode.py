@@ -53,7 +53,8 @@ TARGETS = {("mse", 4, 4): 3.0, ("mse", 3, 3): 3.5, ("mse", 2, 2): 4.5}
 SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages=1),
          dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=128, num_warps=8),
          dict(block_n=64, num_warps=4, splits_factor=2),
-         dict(block_n=64, num_warps=4, num_stages=1, prefetch=True), dict(block_n=32, num_warps=4, num_stages=1, prefetch=True)]
+         dict(block_n=64, num_warps=4, num_stages=1, prefetch=True), dict(block_n=32, num_warps=4, num_stages=1, prefetch=True),
+         dict(block_n=64, num_warps=4, num_stages=1, max_registers=128), dict(block_n=32, num_warps=4, num_stages=1)]
 
 
 def bench(fn, rep=60):
