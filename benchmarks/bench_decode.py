@@ -1,6 +1,6 @@
 """Decode attention over the quantized paged cache against torch SDPA in fp16 (GPU only).
 
-One run: optionally runs ``tests/test_decode.py`` compiled on this GPU (or records the log of a run made
+One run: optionally runs ``tests/test_decode.py`` and ``tests/test_centered.py`` compiled on this GPU (or records the log of a run made
 just before), measures the device copy bandwidth, checks ``decode_attention`` against the reference at
 a few thousand tokens, sweeps a few launch configurations at the headline shape (batch 8, context 32k),
 then times every grid point: batch 1/8/32 x context 1k/4k/16k/32k/128k, 32 query heads, 8 KV heads,
@@ -13,10 +13,12 @@ Timings are medians of ``triton.testing.do_bench`` of the whole entry point (que
 split kernel, merge kernel, output rotation GEMM), called from Python as a user would: where the GPU
 work is shorter than the host's launch work, that is what is timed. Each grid point is also timed
 replayed from a CUDA graph (``do_bench_cudagraph``, as serving engines run decode), which removes the
-host's share, and the host time per call is recorded (calls enqueued back to back). Bytes counted are those each kernel must read:
-the packed slots of every cached token (``slot_bytes`` per token and KV head) for the quantized cache,
-the fp16 K and V for SDPA. The quantized caches hold random codes (valid fp16 norms, scales and zeros)
-in shuffled physical blocks of 16 tokens; grid points that do not fit in memory are recorded as skipped.
+host's share, and the host time per call is recorded (calls enqueued back to back).
+
+Bytes counted are those each kernel must read: the packed slots of every cached token (``slot_bytes``
+per token and KV head) for the quantized cache, the fp16 K and V for SDPA. The quantized caches hold
+random codes (valid fp16 norms, scales and zeros) in shuffled physical blocks of 16 tokens; grid
+points that do not fit in memory are recorded as skipped.
 
     python benchmarks/bench_decode.py [--out results] [--no-tests | --tests-log FILE] [--quick]
 """
@@ -185,7 +187,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--no-tests", action="store_true")
-    ap.add_argument("--tests-log", help="pytest output of tests/test_decode.py run on this machine just before (several files: comma-separated)")
+    ap.add_argument("--tests-log", help="pytest output of tests/test_decode.py and tests/test_centered.py run on this machine just before (several files: comma-separated)")
     ap.add_argument("--quick", action="store_true", help="headline point only (batch 8, context 32k)")
     ap.add_argument("--codecs", help="only these codecs, e.g. mse:4:4,centered:4:4 (default: all of CODECS)")
     args = ap.parse_args()
@@ -201,7 +203,7 @@ def main():
             "date": dt.date.today().isoformat(), "num_q_heads": HQ, "num_kv_heads": HKV, "dim": DIM,
             "block_size": BLOCK, "affine_group_size": GROUP}
     if not args.no_tests:
-        meta["tests"] = run_tests(["tests/test_decode.py"], args.tests_log)
+        meta["tests"] = run_tests(["tests/test_decode.py", "tests/test_centered.py"], args.tests_log)
         print("tests:", meta["tests"]["summary"], flush=True)
     meta["copy_gbps"] = copy_bandwidth()
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)

@@ -911,10 +911,10 @@ def decode_attention(
     ``num_splits`` (default: about 16 programs per SM, splits of at least 256 keys), ``block_n`` (keys
     per step, a power of two 16..256), ``num_warps``, ``num_stages`` and ``max_registers`` (a cap on
     registers per thread, 32..255, so that more warps fit on an SM; ignored by the interpreter) tune
-    the launch; ``fast``
-    (default: on when compiled for a GPU) picks the ``prmt`` lookup over the generic unpack;
-    ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the next step's
-    block-table, code and norm reads before its own arithmetic (more registers, more reads in flight).
+    the launch; ``fast`` (default: on when compiled for a GPU) picks the ``prmt`` lookup over the
+    generic unpack; ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the
+    next step's block-table, code and norm reads before its own arithmetic (more registers, more reads
+    in flight).
     ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
     ``check=False`` never syncs and reads whatever blocks the table names.
 
