@@ -55,7 +55,9 @@ TUNABLES = {
                   dict(block_rows=None, num_warps=2), dict(block_rows=None, num_warps=4, piece=32),
                   dict(block_rows=None, num_warps=4, piece=16), dict(block_rows=None, num_warps=8, piece=16)],
     "mse_load": [dict(block_rows=None, num_warps=2), dict(block_rows=None, num_warps=8),
-                 dict(block_rows=64, num_warps=4)],
+                 dict(block_rows=64, num_warps=4),
+                 # model space: every program loads R^T (32 KB); more rows share it (fewer instructions per byte)
+                 dict(block_rows=128, num_warps=4), dict(block_rows=256, num_warps=8)],
     "affine_pack": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8),
                     dict(block_rows=8, num_warps=4)],
     "default": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8)],
