@@ -125,6 +125,9 @@ def _record(out: str, only: set[str]) -> None:
                  2 * kv.numel() * 2 + rows * layout.slot_bytes)
             case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
                  rows * (layout.value_code_bytes + 2 * DIM))
+            case("mse_load value, model space", bits,
+                 lambda: kvlab.load_mse(cache, slots, vc, part="value", space="model", check=False),
+                 rows * (layout.value_code_bytes + 2 * DIM))
     if "decode" in only:
         from kvlab.decode import decode_attention
 
