@@ -103,6 +103,9 @@ GPU_RESOURCE = "GPU"
 STATUS_COLUMNS = ("status", "duration_s", "error", "notebook")
 METADATA_KEY = "kvlab_sweep"
 PAPERMILL_TAGS = {"papermill-error-cell-tag", "injected-parameters"}
+# seconds a run's kernel may take to start (papermill's default, 60, is too short for several runs
+# starting at once on a small, busy machine)
+KERNEL_START_TIMEOUT = 300
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 MAX_PLOT_PANELS = 12
 
@@ -403,6 +406,7 @@ def execute(task: Task) -> Outcome:
             src.write_text(task.notebook_text)
             cmd = [sys.executable, "-m", "papermill", str(src), str(dst), "--cwd", str(ROOT),
                    "--kernel", "python3", "--no-progress-bar", "--log-level", "WARNING",
+                   "--start-timeout", str(KERNEL_START_TIMEOUT),
                    "-y", yaml.safe_dump(_jsonable(task.parameters))]
             if task.execution_timeout is not None:
                 cmd += ["--execution-timeout", str(task.execution_timeout)]
