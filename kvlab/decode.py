@@ -828,6 +828,16 @@ def _to_model_space(output: torch.Tensor, value_codec) -> torch.Tensor:
     return torch.mm(output.reshape(-1, shape[-1]).float(), rot.T).reshape(shape)
 
 
+# Host-side integer helpers: decode runs once per generated token, so the launcher's own cost counts
+# (``triton.cdiv`` and ``triton.next_power_of_2`` are JIT functions, slow to call from Python).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _rope_table(key_codec, length: int, offset: int, device) -> torch.Tensor:
     """fp32 ``[length, dim]``: ``[cos | sin]`` of positions ``offset ..`` at the RoPE frequencies (one half each).
 
@@ -838,7 +848,7 @@ def _rope_table(key_codec, length: int, offset: int, device) -> torch.Tensor:
         half = key_codec.dim // 2
         return torch.cat([cos[:, :half], sin[:, :half]], 1).to(device=device, dtype=torch.float32).contiguous()
 
-    n = max(256, triton.next_power_of_2(length))
+    n = max(256, _next_power_of_2(length))
     return _cached(key_codec, ("rope_table", device, offset, n), key_codec.mean, lambda m: build(m, n))[:length]
 
 
@@ -858,16 +868,6 @@ def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: i
     a, b = q.float() * mean, q.float() * rot_half
     ab = torch.cat([a[..., :half] + a[..., half:], b[..., :half] + b[..., half:]], -1)  # [B, HQ, D]
     return ab @ _rope_table(key_codec, length, position_offset, q.device).T
-
-
-# Host-side integer helpers: decode runs once per generated token, so the launcher's own cost counts
-# (``triton.cdiv`` and ``triton.next_power_of_2`` are JIT functions, slow to call from Python).
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=None)
@@ -971,14 +971,14 @@ def decode_attention(
     split_len = _cdiv(_cdiv(capacity, num_splits), block_n) * block_n
     num_splits = _cdiv(capacity, split_len)  # no empty trailing splits
     tables_k = tables_v = (0, 0, 0, 0)
+    q_scale = scale * LOG2E  # base-2 exponentials: log2(e) rides on the softmax scale
     if kind == "mse":
         if fast:
             tables_k, tables_v = _prmt_tables(key_codec), _prmt_tables(value_codec)
             if tables_k is None or tables_v is None:
                 raise ValueError("fast=True needs a symmetric fp16 codebook for 4-bit codecs; use fast=False")
-        # the rotation with its columns in the key tile order, times the softmax scale and log2(e):
-        # q R[:, order] is the permuted rotated query, ready for base-2 exponentials
-        q_scale = scale * LOG2E
+        # the rotation with its columns in the key tile order, times q_scale: q R[:, order] is the
+        # permuted rotated query, ready for base-2 exponentials
         rot_k = _cached(key_codec, ("query_rotation", device, q_scale), key_codec.rotation,
                         lambda r: (r.to(device=device, dtype=torch.float32)[:, tile_order(key_codec.bits, dim).to(device)]
                                    * q_scale).contiguous())
@@ -1002,10 +1002,10 @@ def decode_attention(
         cent_k = cent_v = order_v  # unused
         offsets = dict(KEY_NORM_OFFSET=0, VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=0,
                        VALUE_ALIGN4=True, GROUP=key_codec.group_size)
-        q_in = (q_in * (scale * LOG2E)).to(torch.float16).contiguous()
+        q_in = (q_in * q_scale).to(torch.float16).contiguous()
     bias = None
     if centered is not None and centered.rope is not None:
-        bias = (rope_mean_scores(q, centered, capacity, position_offset) * (scale * LOG2E)).contiguous()
+        bias = (rope_mean_scores(q, centered, capacity, position_offset) * q_scale).contiguous()
 
     o_part = torch.empty(batch, num_q_heads, num_splits, dim, dtype=torch.float32, device=device)
     ml_part = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
