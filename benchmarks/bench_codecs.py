@@ -17,7 +17,6 @@ fp32 intermediate is not counted, so its cost shows up as a lower fraction of ba
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
-from benchmarks.common import run_tests  # noqa: E402
+from benchmarks.common import run_tests, write_csv  # noqa: E402
 from benchmarks.baselines import global_scale_affine, one_program_per_vector  # noqa: E402
 
 DIM = 128
@@ -134,10 +133,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "codec_kernels.partial.csv"  # every row as it is measured: a run cut short keeps them
     partial.unlink(missing_ok=True)
-    run_keys = ("device", "torch", "triton", "date", "copy_gbps")  # every CSV row also names the run
-
-    def csv_row(row):
-        return {**row, **{k: meta[k] for k in run_keys}}
+    run = {k: meta[k] for k in ("device", "torch", "triton", "date", "copy_gbps")}  # every CSV row also names the run
 
     def record(kernel, variant, bits, n, ms, nbytes, config=None):
         gbps = nbytes / ms / 1e6
@@ -145,11 +141,7 @@ def main():
                    bytes=nbytes, gbps=gbps, frac_copy=gbps / meta["copy_gbps"],
                    config=" ".join(f"{k}={v}" for k, v in (config or {}).items()))
         rows.append(row)
-        with open(partial, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(csv_row(row)))
-            if len(rows) == 1:
-                w.writeheader()
-            w.writerow(csv_row(row))
+        write_csv(partial, rows, list(row), run)
         print(f"{kernel:22s} {variant:26s} b={bits!s:5s} n={n/1e6:5.1f}M {ms:8.3f} ms {gbps:7.0f} GB/s "
               f"{100 * row['frac_copy']:5.1f} %", flush=True)
 
@@ -257,11 +249,7 @@ def main():
 
     meta["checks"] = checks
     print(json.dumps(checks, indent=1))
-    with open(out_dir / "codec_kernels.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(csv_row(rows[0])))
-        w.writeheader()
-        for r in rows:
-            w.writerow(csv_row(r))
+    write_csv(out_dir / "codec_kernels.csv", rows, list(rows[0]), run)
     (out_dir / "codec_kernels.json").write_text(json.dumps(meta, indent=1))
     partial.unlink()
     print(f"wrote {out_dir / 'codec_kernels.csv'}")

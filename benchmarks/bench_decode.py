@@ -1,13 +1,14 @@
 """Decode attention over the quantized paged cache against torch SDPA in fp16 (GPU only).
 
-One run: optionally runs ``tests/test_decode.py`` and ``tests/test_centered.py`` compiled on this GPU (or records the log of a run made
-just before), measures the device copy bandwidth, checks ``decode_attention`` against the reference at
-a few thousand tokens, sweeps a few launch configurations at the headline shape (batch 8, context 32k),
-then times every grid point: batch 1/8/32 x context 1k/4k/16k/32k/128k, 32 query heads, 8 KV heads,
-head dim 128, for the MSE codec at K4V4, K3V3, K2V2, the centred-key MSE codec at K4V4 (keys around a
-RoPE-turned mean: one more score term per key, ``rope_mean_scores``) and the affine codec (groups of
-32) at K4V4 and K8V8, against ``scaled_dot_product_attention`` in fp16 over an unquantized contiguous cache of the same
-shape, timed in the same run (the query group of a KV head is SDPA's query axis, so no head is copied).
+One run: optionally runs ``tests/test_decode.py`` and ``tests/test_centered.py`` compiled on this GPU
+(or records the log of a run made just before), measures the device copy bandwidth, checks
+``decode_attention`` against the reference at a few thousand tokens, sweeps a few launch
+configurations at the headline shape (batch 8, context 32k), then times every grid point: batch
+1/8/32 x context 1k/4k/16k/32k/128k, 32 query heads, 8 KV heads, head dim 128, for the MSE codec at
+K4V4, K3V3, K2V2, the centred-key MSE codec at K4V4 (keys around a RoPE-turned mean: one more score
+term per key, ``rope_mean_scores``) and the affine codec (groups of 32) at K4V4 and K8V8, against
+``scaled_dot_product_attention`` in fp16 over an unquantized contiguous cache of the same shape, timed
+in the same run (the query group of a KV head is SDPA's query axis, so no head is copied).
 
 Timings are medians of ``triton.testing.do_bench`` of the whole entry point (query rotation GEMM,
 split kernel, merge kernel, output rotation GEMM), called from Python as a user would: where the GPU
@@ -26,7 +27,6 @@ points that do not fit in memory are recorded as skipped.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import sys
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
-from benchmarks.common import run_tests  # noqa: E402
+from benchmarks.common import run_tests, write_csv  # noqa: E402
 from kvlab import reference as ref  # noqa: E402
 from kvlab.decode import AffineSlot, decode_attention  # noqa: E402
 
@@ -175,11 +175,7 @@ def write_results(out: Path, rows, meta, name="decode_attention"):
     out.mkdir(parents=True, exist_ok=True)
     run = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"], date=meta["date"],
                copy_gbps=meta["copy_gbps"], tests_passed=meta.get("tests", {}).get("passed"))
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_KEYS + list(run))
-        w.writeheader()
-        for r in rows:
-            w.writerow({**{k: r.get(k, "") for k in CSV_KEYS}, **run})
+    write_csv(out / f"{name}.csv", rows, CSV_KEYS, run)
     (out / f"{name}.json").write_text(json.dumps(meta, indent=1))
 
 

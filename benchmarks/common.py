@@ -1,7 +1,8 @@
-"""What the GPU benchmarks share: running the test suite on the device they measure."""
+"""What the GPU benchmarks share: running the test suite on the device they measure, writing result CSVs."""
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,13 @@ def _summarise(text: str, returncode: int | None) -> dict:
     summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln or " error" in ln), "")
     passed = returncode == 0 if returncode is not None else (" passed" in summary and "failed" not in summary and "error" not in summary)
     return {"passed": passed, "summary": summary, "tail": "\n".join(lines[-30:])}
+
+
+def write_csv(path: Path, rows: list[dict], keys: list[str], run: dict) -> None:
+    """``rows`` as CSV at ``path``: the columns ``keys`` (missing values empty), then the columns of
+    ``run`` (device, versions, date, ...) repeated on every row, so that each row names its run."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(keys) + list(run))
+        w.writeheader()
+        for r in rows:
+            w.writerow({**{k: r.get(k, "") for k in keys}, **run})
