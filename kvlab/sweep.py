@@ -106,6 +106,10 @@ PAPERMILL_TAGS = {"papermill-error-cell-tag", "injected-parameters"}
 # seconds a run's kernel may take to start (papermill's default, 60, is too short for several runs
 # starting at once on a small, busy machine)
 KERNEL_START_TIMEOUT = 300
+# A kernel that dies before its first reply never ran a cell (several kernels starting at once can
+# race for the same ports): such a run is started again, up to this many attempts in all.
+KERNEL_START_ATTEMPTS = 3
+KERNEL_START_FAILURE = "Kernel died before replying to kernel_info"
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 MAX_PLOT_PANELS = 12
 
@@ -410,7 +414,10 @@ def execute(task: Task) -> Outcome:
                    "-y", yaml.safe_dump(_jsonable(task.parameters))]
             if task.execution_timeout is not None:
                 cmd += ["--execution-timeout", str(task.execution_timeout)]
-            proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(KERNEL_START_ATTEMPTS):
+                proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                if dst.is_file() or KERNEL_START_FAILURE not in proc.stdout:
+                    break
             executed = dst.read_text() if dst.is_file() else None
     except Exception as exc:  # the run could not even start: report it as this run's failure
         return Outcome(False, time.monotonic() - start, f"could not run papermill: {type(exc).__name__}: {exc}", None, host=host)

@@ -170,6 +170,37 @@ def test_more_workers_than_gpus(tmp_path, capsys, monkeypatch):
 # ----------------------------------------------------------------------------- sweeps that run
 
 
+def _kernels_failing_to_start(monkeypatch, failures):
+    """Make the first ``failures`` papermill calls end as a kernel that died before its first reply."""
+    import subprocess
+
+    real, calls = S.subprocess.run, []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        if len(calls) <= failures:
+            return subprocess.CompletedProcess(cmd, 1, stdout=f"Traceback ...\nRuntimeError: {S.KERNEL_START_FAILURE}\n")
+        return real(cmd, **kwargs)
+
+    monkeypatch.setattr(S.subprocess, "run", run)
+    return calls
+
+
+def test_a_kernel_that_dies_before_starting_is_started_again(notebook, tmp_path, monkeypatch, cpu_only):
+    calls = _kernels_failing_to_start(monkeypatch, S.KERNEL_START_ATTEMPTS - 1)
+    result = S.sweep(notebook, {"a": [2]}, tmp_path / "out", progress=False)
+    assert (result.executed, result.failed) == (1, 0) and len(calls) == S.KERNEL_START_ATTEMPTS
+    b = S.notebook_parameters(json.loads(notebook.read_text()))["b"]
+    assert float(read_table(tmp_path / "out" / "sweep_point")[0]["product"]) == 2 * b
+
+
+def test_a_kernel_that_never_starts_fails_the_run(notebook, tmp_path, monkeypatch, capsys, cpu_only):
+    calls = _kernels_failing_to_start(monkeypatch, S.KERNEL_START_ATTEMPTS)
+    result = S.sweep(notebook, {"a": [2]}, tmp_path / "out", progress=False)
+    assert (result.executed, result.failed) == (1, 1) and len(calls) == S.KERNEL_START_ATTEMPTS
+    assert S.KERNEL_START_FAILURE in capsys.readouterr().err
+
+
 def test_grid_runs_once_and_resumes(notebook, tmp_path, capsys, cpu_only):
     out = tmp_path / "out"
     assert S.main(sweep_args(notebook, out, "-p", "a", "1,2", "-p", "b", "3,0.5", "--workers", "2")) == 0
