@@ -8,14 +8,14 @@ What
 
     * MSE (``kvlab.MSECodec`` keys and values, 2, 3 or 4 bits each): the cache of ``kvlab.layout``,
       exactly what ``store_mse`` writes. Attention runs in rotated space throughout. With ``y = x R``
-      the rotation, a key decodes to ``k R = n_k c[i_k] / |c[i_k]|`` (``c`` the Lloyd-Max centroids,
-      ``n_k`` the stored fp16 norm, ``|c[i_k]|`` the centroid vector's norm: norm correction), so
+      the rotation, a key decodes to ``k R = s_k c[i_k]`` (``c`` the Lloyd-Max centroids, ``s_k`` the
+      stored fp16 scale, which holds the norm correction ``|y_k| / |c[i_k]|``), so
 
-      .. math:: q \\cdot k = (q R_K) \\cdot (k R_K) = \\frac{n_k}{|c[i_k]|} \\sum_j (q R_K)_j\\, c[i_{k,j}],
+      .. math:: q \\cdot k = (q R_K) \\cdot (k R_K) = s_k \\sum_j (q R_K)_j\\, c[i_{k,j}],
 
-      and ``sum_t p_t v_t = (sum_t p_t (n_t / |c[i_t]|) c[i_t]) R_V^T``. The query is rotated once
+      and ``sum_t p_t v_t = (sum_t p_t s_t c[i_t]) R_V^T``. The query is rotated once
       (one GEMM for the batch), every score is a dot of the rotated query with the *unscaled*
-      centroids of a key times one per-token factor, every value enters with its norm factor folded
+      centroids of a key times one per-token factor, every value enters with its scale folded
       into the attention weight, and the output is rotated back once at the end
       (``rotate_attention_output``). No cached vector is ever rotated.
     * Centred MSE keys (``kvlab.CenteredMSECodec``: ``k = scale * z + mean_n``, ``z`` stored with the MSE
@@ -67,8 +67,8 @@ How (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per s
       magnitudes and a sign-replicating ``prmt`` restores the sign. 3-bit: three shift-and-mask steps
       spread eight 3-bit fields of a 24-bit group into nibbles. 2-bit: four centroids are one 8-byte
       table, so one ``prmt`` turns two indices into an fp16 pair (selector ``2 i * 0x11 + 0x10`` per
-      index, one multiply-add for two indices). The same asm block sums the squares of the eight values
-      in fp16 pairs (the norm-correction energy). No per-element gather, shift or conversion.
+      index, one multiply-add for two indices). No per-element gather, shift or conversion, and no
+      per-key reduction: the norm correction is in the stored scale.
     * Coordinate order inside a tile is the order those lookups produce: natural for 3 and 4 bits;
       for 2 bits, position ``2 k + h`` of each 16 holds coordinate ``k % 4 + 4 h + 8 (k // 4)``. The
       query's rotated coordinates are permuted to match (``tile_order``) and the output's are put back
@@ -103,7 +103,7 @@ from . import _checks as C
 from .affine import affine_code_bytes, pack_affine, unpack_affine
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .centered import load_centered_mse
-from .mse import _cached, load_mse  # per-codec device tables, rebuilt when the codec's tensors change
+from .mse import _cached, _sm_count, load_mse  # _cached: per-codec device tables, rebuilt when the codec's tensors change
 
 __all__ = [
     "AffineSlot",
@@ -152,24 +152,24 @@ class AffineSlot:
 
 # ----------------------------------------------------------------------------- lookups (inline PTX)
 
-# Each block: $0..$3 fp16 pairs of eight consecutive tile positions, $4 the sum of their squares as
-# an fp16 pair; inputs: the packed word, then four table registers.
+# Each block: $0..$3 fp16 pairs of eight consecutive tile positions; inputs: the packed word, then
+# four table registers.
 _LOOKUP4 = tl.constexpr("""{
 .reg .b32 t, m, mh, s, sl, sh, l0, h0, l1, h1;
-shr.b32 t, $5, 3;
+shr.b32 t, $4, 3;
 and.b32 t, t, 0x11111111;
 mul.lo.u32 t, t, 7;
-xor.b32 m, $5, t;
+xor.b32 m, $4, t;
 not.b32 m, m;
 and.b32 m, m, 0x77777777;
 shr.b32 mh, m, 16;
-prmt.b32 l0, $6, $7, m;
-prmt.b32 h0, $8, $9, m;
-prmt.b32 l1, $6, $7, mh;
-prmt.b32 h1, $8, $9, mh;
-shl.b32 s, $5, 4;
-prmt.b32 sl, s, $5, 0xD9C8;
-prmt.b32 sh, s, $5, 0xFBEA;
+prmt.b32 l0, $5, $6, m;
+prmt.b32 h0, $7, $8, m;
+prmt.b32 l1, $5, $6, mh;
+prmt.b32 h1, $7, $8, mh;
+shl.b32 s, $4, 4;
+prmt.b32 sl, s, $4, 0xD9C8;
+prmt.b32 sh, s, $4, 0xFBEA;
 not.b32 sl, sl;
 and.b32 sl, sl, 0x80808080;
 or.b32 h0, h0, sl;
@@ -180,16 +180,12 @@ prmt.b32 $0, l0, h0, 0x5140;
 prmt.b32 $1, l0, h0, 0x7362;
 prmt.b32 $2, l1, h1, 0x5140;
 prmt.b32 $3, l1, h1, 0x7362;
-mul.rn.f16x2 $4, $0, $0;
-fma.rn.f16x2 $4, $1, $1, $4;
-fma.rn.f16x2 $4, $2, $2, $4;
-fma.rn.f16x2 $4, $3, $3, $4;
 }""")
 
 _LOOKUP3 = tl.constexpr("""{
 .reg .b32 a, b, x, xh, l0, h0, l1, h1;
-and.b32 a, $5, 0xFFF;
-shl.b32 b, $5, 4;
+and.b32 a, $4, 0xFFF;
+shl.b32 b, $4, 4;
 and.b32 b, b, 0x0FFF0000;
 or.b32 x, a, b;
 and.b32 a, x, 0x003F003F;
@@ -201,54 +197,42 @@ shl.b32 b, x, 1;
 and.b32 b, b, 0x70707070;
 or.b32 x, a, b;
 shr.b32 xh, x, 16;
-prmt.b32 l0, $6, $7, x;
-prmt.b32 h0, $8, $9, x;
-prmt.b32 l1, $6, $7, xh;
-prmt.b32 h1, $8, $9, xh;
+prmt.b32 l0, $5, $6, x;
+prmt.b32 h0, $7, $8, x;
+prmt.b32 l1, $5, $6, xh;
+prmt.b32 h1, $7, $8, xh;
 prmt.b32 $0, l0, h0, 0x5140;
 prmt.b32 $1, l0, h0, 0x7362;
 prmt.b32 $2, l1, h1, 0x5140;
 prmt.b32 $3, l1, h1, 0x7362;
-mul.rn.f16x2 $4, $0, $0;
-fma.rn.f16x2 $4, $1, $1, $4;
-fma.rn.f16x2 $4, $2, $2, $4;
-fma.rn.f16x2 $4, $3, $3, $4;
 }""")
 
-# 2 bit: $0..$7 fp16 pairs, $8 the sum of squares of all 16; inputs: the word, two table registers
+# 2 bit: $0..$7 fp16 pairs of sixteen tile positions; inputs: the word, two table registers
 _LOOKUP2 = tl.constexpr("""{
 .reg .b32 x, y;
-and.b32 x, $9, 0x03030303;
+and.b32 x, $8, 0x03030303;
 mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $0, $10, $11, y;
+prmt.b32 $0, $9, $10, y;
 shr.b32 y, y, 16;
-prmt.b32 $4, $10, $11, y;
-shr.b32 x, $9, 2;
+prmt.b32 $4, $9, $10, y;
+shr.b32 x, $8, 2;
 and.b32 x, x, 0x03030303;
 mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $1, $10, $11, y;
+prmt.b32 $1, $9, $10, y;
 shr.b32 y, y, 16;
-prmt.b32 $5, $10, $11, y;
-shr.b32 x, $9, 4;
+prmt.b32 $5, $9, $10, y;
+shr.b32 x, $8, 4;
 and.b32 x, x, 0x03030303;
 mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $2, $10, $11, y;
+prmt.b32 $2, $9, $10, y;
 shr.b32 y, y, 16;
-prmt.b32 $6, $10, $11, y;
-shr.b32 x, $9, 6;
+prmt.b32 $6, $9, $10, y;
+shr.b32 x, $8, 6;
 and.b32 x, x, 0x03030303;
 mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $3, $10, $11, y;
+prmt.b32 $3, $9, $10, y;
 shr.b32 y, y, 16;
-prmt.b32 $7, $10, $11, y;
-mul.rn.f16x2 $8, $0, $0;
-fma.rn.f16x2 $8, $1, $1, $8;
-fma.rn.f16x2 $8, $2, $2, $8;
-fma.rn.f16x2 $8, $3, $3, $8;
-fma.rn.f16x2 $8, $4, $4, $8;
-fma.rn.f16x2 $8, $5, $5, $8;
-fma.rn.f16x2 $8, $6, $6, $8;
-fma.rn.f16x2 $8, $7, $7, $8;
+prmt.b32 $7, $9, $10, y;
 }""")
 
 
@@ -272,16 +256,10 @@ def _join_all(xs, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _pairs_to_tile(words, energies, BN: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexpr):
-    """Tuple of int32 ``[BN, W]`` fp16-pair words (in tile order) -> fp16 tile ``[BN, D]`` and the fp32
-    sum of squares of each row (from the asm blocks' fp16-pair energies)."""
+def _pairs_to_tile(words, BN: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexpr):
+    """Tuple of int32 ``[BN, W]`` fp16-pair words (in tile order) -> fp16 tile ``[BN, D]``."""
     b_lo, b_hi = _halves(_join_all(words, LEVELS))
-    b_tile = tl.reshape(tl.join(b_lo, b_hi), [BN, D])
-    b_e = tl.zeros([BN], dtype=tl.float32)
-    for i in tl.static_range(len(energies)):
-        e_lo, e_hi = _halves(energies[i])
-        b_e += tl.sum(e_lo.to(tl.float32) + e_hi.to(tl.float32), axis=1)
-    return b_tile, b_e
+    return tl.reshape(tl.join(b_lo, b_hi), [BN, D])
 
 
 @triton.jit
@@ -313,30 +291,27 @@ def _mse_words(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: 
 
 @triton.jit
 def _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Centroid tile ``[BN, D]`` fp16 (tile order) and each row's energy ``sum c^2`` (fp32), by ``prmt``,
-    from the words of ``_mse_words``."""
+    """Centroid tile ``[BN, D]`` fp16 (tile order), by ``prmt``, from the words of ``_mse_words``."""
     if BITS == 4:
-        o0, o1, o2, o3, e = tl.inline_asm_elementwise(
-            _LOOKUP4, "=r,=r,=r,=r,=r,r,r,r,r,r", [b_w0, t0, t1, t2, t3],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-        return _pairs_to_tile((o0, o1, o2, o3), (e,), BN, D, 2)
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            _LOOKUP4, "=r,=r,=r,=r,r,r,r,r,r", [b_w0, t0, t1, t2, t3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        return _pairs_to_tile((o0, o1, o2, o3), BN, D, 2)
     elif BITS == 2:
-        o0, o1, o2, o3, o4, o5, o6, o7, e = tl.inline_asm_elementwise(
-            _LOOKUP2, "=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b_w0, t0, t1],
-            dtype=(tl.int32,) * 9, is_pure=True, pack=1)
-        return _pairs_to_tile((o0, o1, o2, o3, o4, o5, o6, o7), (e,), BN, D, 3)
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _LOOKUP2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b_w0, t0, t1],
+            dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        return _pairs_to_tile((o0, o1, o2, o3, o4, o5, o6, o7), BN, D, 3)
     else:
         # 3 bit: three words hold four 24-bit groups of 8 indices
         groups = (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
         words = ()
-        energies = ()
         for g in tl.static_range(4):
-            o0, o1, o2, o3, e = tl.inline_asm_elementwise(
-                _LOOKUP3, "=r,=r,=r,=r,=r,r,r,r,r,r", [groups[g], t0, t1, t2, t3],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _LOOKUP3, "=r,=r,=r,=r,r,r,r,r,r", [groups[g], t0, t1, t2, t3],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
             words = words + (o0, o1, o2, o3)
-            energies = energies + (e,)
-        return _pairs_to_tile(words, energies, BN, D, 4)
+        return _pairs_to_tile(words, BN, D, 4)
 
 
 @triton.jit
@@ -364,9 +339,7 @@ def _mse_tile_generic(b_b, cent_ptr, BN: tl.constexpr, D: tl.constexpr, BITS: tl
     """As ``_mse_tile_fast``, index by index (from ``_mse_bytes``): shifts, then a gather from the centroid table."""
     o_bit = _tile_coordinate(D, BITS) * BITS
     b_i = (b_b >> (o_bit % 8)[None, :]) & ((1 << BITS) - 1)
-    b_c = tl.load(cent_ptr + b_i).to(tl.float16)  # [BN, D]
-    b_cf = b_c.to(tl.float32)
-    return b_c, tl.sum(b_cf * b_cf, axis=1)
+    return tl.load(cent_ptr + b_i).to(tl.float16)  # [BN, D]
 
 
 @triton.jit
@@ -451,23 +424,23 @@ def _attend_mse(
     sum ``b_l`` and output ``b_acc`` of the query group ``b_q`` (``HAS_BIAS``: plus a per-row,
     per-position score term read at ``bias_ptr + o_bias[row] + position``)."""
     m_n = o_n < end
-    # ---- scores: the rotated query against the unscaled centroids, times norm / |c| per key
+    # ---- scores: the rotated query against the centroids, times each key's stored scale
     if FAST:
-        b_k, b_ke = _mse_tile_fast(k0, k1, k2, tk0, tk1, tk2, tk3, BLOCK_N, D, BITS_K)
+        b_k = _mse_tile_fast(k0, k1, k2, tk0, tk1, tk2, tk3, BLOCK_N, D, BITS_K)
     else:
-        b_k, b_ke = _mse_tile_generic(k0, key_cent_ptr, BLOCK_N, D, BITS_K)
-    b_s = tl.dot(b_q, tl.trans(b_k)) * (b_kn * tl.math.rsqrt(tl.maximum(b_ke, 1e-24)))[None, :]
+        b_k = _mse_tile_generic(k0, key_cent_ptr, BLOCK_N, D, BITS_K)
+    b_s = tl.dot(b_q, tl.trans(b_k)) * b_kn[None, :]
     if HAS_BIAS:  # centred keys with a turning mean: q . RoPE_n(mean), one fp32 per query row and position
         b_s += tl.load(bias_ptr + o_bias[:, None] + o_n[None, :], mask=m_g[:, None] & m_n[None, :], other=0.0)
     b_s = tl.where(m_n[None, :], b_s, float("-inf"))
     b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l)
 
-    # ---- values: the norm factor rides on the weight
+    # ---- values: the scale rides on the weight
     if FAST:
-        b_v, b_ve = _mse_tile_fast(v0, v1, v2, tv0, tv1, tv2, tv3, BLOCK_N, D, BITS_V)
+        b_v = _mse_tile_fast(v0, v1, v2, tv0, tv1, tv2, tv3, BLOCK_N, D, BITS_V)
     else:
-        b_v, b_ve = _mse_tile_generic(v0, value_cent_ptr, BLOCK_N, D, BITS_V)
-    b_pv = b_p * (b_vn * tl.math.rsqrt(tl.maximum(b_ve, 1e-24)))[None, :]
+        b_v = _mse_tile_generic(v0, value_cent_ptr, BLOCK_N, D, BITS_V)
+    b_pv = b_p * b_vn[None, :]
     b_acc = b_acc * b_alpha[:, None] + tl.dot(b_pv.to(tl.float16), b_v)
     return b_m, b_l, b_acc
 
@@ -735,8 +708,6 @@ def _check_codecs(key_codec, value_codec, dim: int) -> str:
     for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
         if _is_mse(codec):
             C.check_int(f"{name}.bits", codec.bits, MSE_BITS)
-            if not codec.norm_correction:
-                raise ValueError(f"{name} must use norm_correction=True (the kernel folds 1/|c| into each token)")
             if tuple(codec.centroids.shape) != (1 << codec.bits,) or tuple(codec.rotation.shape) != (codec.dim, codec.dim):
                 raise ValueError(f"{name} has centroids/rotation of the wrong shape for bits={codec.bits}, dim={codec.dim}")
             kinds.append("mse")
@@ -871,10 +842,6 @@ def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: i
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
     want = _cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
     return max(1, min(want, _cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
@@ -903,7 +870,7 @@ def decode_attention(
 
     ``q``: fp16/bf16 ``[batch, num_q_heads, dim]`` (dim 64, 128 or 256), ``num_q_heads`` a multiple of
     the cache's ``num_kv_heads``. ``cache``: the paged MSE cache of ``kvlab.layout`` (``MSECodec``
-    key and value codecs, 2/3/4 bits, norm correction on) or the paged affine cache of ``AffineSlot``
+    key and value codecs, 2/3/4 bits) or the paged affine cache of ``AffineSlot``
     (``AffineCodec`` key and value codecs, token axis, 4/8 bits). ``block_table`` int32 ``[batch,
     max_blocks]``, ``seq_lens`` int32/int64 ``[batch]`` (1 .. ``max_blocks * block_size``).
     ``scale``: softmax scale (default ``dim ** -0.5``). Returns ``q.dtype``.

@@ -12,7 +12,10 @@ In general a ``bits``-wide field of element ``j`` starts at bit ``bits * j`` of 
 stream of ``ceil(bits * dim / 8)`` bytes; unused high bits of the last byte are zero.
 
 An MSE code of one vector is ``[indices | norm]``: the packed centroid indices, then the vector's
-norm as fp16, little-endian (2 bytes).
+scale as fp16, little-endian (2 bytes). The decoded vector is ``centroids[indices] * scale``; with
+norm correction (``MSECodec``'s default) the scale is the norm divided by the length of the centroid
+vector, ``|y| / |c[indices]|``, computed at encode time, so that decoders do no more than multiply
+(the fields are still called "norm" below and in the code).
 
 The paged cache is one uint8 tensor ``[num_blocks, block_size, num_heads, slot_bytes]``. Token ``i``
 of a batch goes to slot ``slot_mapping[i] = block * block_size + offset`` (``-1``: padding, not

@@ -4,7 +4,8 @@ What
     ``store_mse`` encodes keys and values of a batch and writes their codes into the cache slots of
     ``slot_mapping``: rotate, take the norm (fp64 accumulation, rounded to fp32), count the
     Lloyd-Max boundaries strictly below each normalised coordinate (``torch.bucketize``), pack the
-    indices, append the fp16 norm. One launch for the keys, one for the values. The rotation
+    indices, append the fp16 scale: the norm, divided (with norm correction) by the length of the
+    picked centroid vector, an fp64 sum of the gathered centroids' squares. One launch for the keys, one for the values. The rotation
     depends on the codec:
 
     * Hadamard codecs (``codec.hadamard_signs`` set): FUSED. The kernel reads the fp16/bf16/fp32
@@ -18,12 +19,12 @@ What
     thresholds gives the index. Bytes equal the reference's exactly (``torch.equal``). The store
     kernel is compiled without FMA contraction (``enable_fp_fusion=False``): ``y = z * scale``
     must be rounded before it is compared; the only fused multiply-adds left are explicit fp64
-    ones on exact squares (the norm), which round like a multiply and an add.
+    ones on exact squares (the norm, the centroid vector's length), which round like a multiply and
+    an add; the scale is an IEEE division (``tl.div_rn``).
 
     ``load_mse`` reads the key or the value part of the slots back: unpack the indices, gather the
-    centroids (a table of at most 16 floats, one cache line), optionally renormalise the centroid
-    vector (norm correction, an approximate reciprocal square root: within fp16 precision of the
-    reference), multiply by the stored fp16 norm. ``space="rotated"`` returns that (what attention in
+    centroids (a table of at most 16 floats, one cache line), multiply by the stored fp16 scale (the
+    norm correction is in it). ``space="rotated"`` returns that (what attention in
     rotated space consumes). ``space="model"`` rotates back by ``R.T``: for fp16/bf16 outputs (dims up
     to 128) inside the kernel, one tensor-core product of the fp16 tile by an fp16 ``R.T`` per
     program (fp32 accumulation; the error is of the order of the output's rounding); for fp32
@@ -241,8 +242,9 @@ def _encode_rows(
     sign_ptr,  # HADAMARD: int16/int32 [D]: the sign bit of the rotation's sign, per column
     mid_ptr,  # fp64 [2**BITS - 1]: midpoints between each boundary and the next float32
     tie_ptr,  # int32 [2**BITS - 1]: 1 where a value at the midpoint rounds up
+    cent_ptr,  # fp32 [2**BITS]: centroids (NORM_CORRECTION)
     cache_ptr,  # uint8: the cache, addressed by byte offsets
-    norm_ptr,  # fp32 [num_rows]: CHECK: the rows' norms, checked by the launcher
+    norm_ptr,  # fp32 [num_rows]: CHECK: the rows' stored scales, checked by the launcher
     # this tile's rows
     o_r,  # [BR] int64: row ids (token * num_heads + head)
     m_r,  # [BR] bool: rows to write (in range, slot valid)
@@ -259,6 +261,7 @@ def _encode_rows(
     INDEX_BYTES: tl.constexpr,
     HEAD: tl.constexpr,  # bytes before the code's first 4-byte aligned address; -1: alignment unknown
     HADAMARD: tl.constexpr,  # rotate here (fused) instead of reading rotated rows
+    NORM_CORRECTION: tl.constexpr,  # store norm / |c| (the length of the picked centroid vector)
     CHECK: tl.constexpr,
 ):
     BR: tl.constexpr = BLOCK_ROWS
@@ -310,11 +313,17 @@ def _encode_rows(
     # index = number of boundaries strictly below y / norm (torch.bucketize), without dividing;
     # then pack: index k of a chunk (group) sits at bit BITS * k of the group's word (BITS bytes)
     ts = _thresholds(b_norm, mid_ptr, tie_ptr, (1 << BITS) - 1)  # [1, BR, 1] each
+    # |c| as in the reference: fp64 sum of the squares of the picked centroids (each square exact)
+    b_len = tl.zeros([H, BR, 8], dtype=tl.float64)
     piece_words = ()
     for c in tl.static_range(CP):
         b_idx = _bucketize(ys[c], ts, BITS)  # [H, BR, 8] uint32
+        m_pad = ((o_q * NP)[:, None] + c * 8 + o_k[None, :] < D)[:, None, :]  # [H, 1, 8]: real columns
         if 8 * C != D:
-            b_idx = tl.where(((o_q * NP)[:, None] + c * 8 + o_k[None, :] < D)[:, None, :], b_idx, 0)  # padding: zero bits
+            b_idx = tl.where(m_pad, b_idx, 0)  # padding: zero bits
+        if NORM_CORRECTION:
+            b_c = tl.where(m_pad, tl.load(cent_ptr + b_idx), 0.0).to(tl.float64)  # a table of 2**BITS (one cache line)
+            b_len = tl.fma(b_c, b_c, b_len)
         piece_words = piece_words + (tl.sum(b_idx << (o_k * BITS).to(tl.uint32)[None, None, :], axis=2),)  # [H, BR]
     ws = ()  # the C group words of each row, in order (every piece's thread gets all of them)
     for q in tl.static_range(H):
@@ -324,7 +333,11 @@ def _encode_rows(
             else:
                 ws = ws + (tl.sum(tl.where((o_q == q)[:, None], piece_words[c], 0), axis=0),)
 
-    # store the code (indices, then the fp16 norm): 4-byte words, coalesced, between a head and a
+    # the stored scale: norm / |c| (fp32 sqrt of the fp64 sum, IEEE division, as the reference), or the norm
+    if NORM_CORRECTION:
+        b_norm = tl.div_rn(b_norm, tl.sqrt(tl.sum(tl.sum(b_len, axis=2), axis=0)).to(tl.float32))
+
+    # store the code (indices, then the fp16 scale): 4-byte words, coalesced, between a head and a
     # tail of at most 3 bytes each, stored per row
     b_n16 = b_norm.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)  # [BR]
     CODE_BYTES: tl.constexpr = INDEX_BYTES + 2
@@ -354,7 +367,7 @@ def _encode_rows(
         o_u = tl.arange(0, BLOCK_B)
         tl.store(cache_ptr + o_dst[:, None] + o_u[None, :], b_b.to(tl.uint8), mask=m_r[:, None] & (o_u < CODE_BYTES)[None, :])
 
-    if CHECK:  # the norms of the rows written; the launcher rejects NaN, Inf and fp16 overflow
+    if CHECK:  # the scales of the rows written; the launcher rejects NaN, Inf and fp16 overflow
         tl.store(norm_ptr + o_r, b_norm, mask=m_r)
 
 
@@ -365,6 +378,7 @@ def _store_mse_kernel(
     sign_ptr,  # HADAMARD: int16/int32 [D] sign bits of the rotation's signs
     mid_ptr,  # fp64 [2**BITS - 1]: boundary midpoints (see _thresholds)
     tie_ptr,  # int32 [2**BITS - 1]
+    cent_ptr,  # fp32 [2**BITS]: centroids (NORM_CORRECTION)
     slot_ptr,  # int32/int64 [num_tokens]
     cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
     norm_ptr,  # fp32 [num_rows]: the rows' norms (CHECK only)
@@ -390,6 +404,7 @@ def _store_mse_kernel(
     INDEX_BYTES: tl.constexpr,
     HEAD: tl.constexpr,
     HADAMARD: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,
     CHECK: tl.constexpr,
 ):
     # one part (key or value) per launch: the kernels are half the size (and compile in half the time)
@@ -400,9 +415,9 @@ def _store_mse_kernel(
     b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
     m_w = m_r & (b_slot >= 0) & (b_slot < num_slots)  # out-of-range slots are never written
     o_dst = (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + offset
-    _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, cache_ptr, norm_ptr,
+    _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, cent_ptr, cache_ptr, norm_ptr,
                  o_r, m_w, o_dst, stride_x, scale,
-                 D, C, LOG_D, PIECES, BLOCK_ROWS, BITS, INDEX_BYTES, HEAD, HADAMARD, CHECK)
+                 D, C, LOG_D, PIECES, BLOCK_ROWS, BITS, INDEX_BYTES, HEAD, HADAMARD, NORM_CORRECTION, CHECK)
 
 
 @triton.jit
@@ -431,7 +446,6 @@ def _load_mse_kernel(
     OFFSET: tl.constexpr,  # byte of this part's code (key or value) in a slot
     UNIT: tl.constexpr,  # bytes per load of the code (1, 2 or 4): every group starts UNIT-aligned
     NORM_ALIGNED: tl.constexpr,  # every norm starts 2-byte aligned
-    NORM_CORRECTION: tl.constexpr,
     BF16_BY_BITS: tl.constexpr,  # round fp32 -> bf16 with integer ops (interpreter only)
     MODEL: tl.constexpr,  # rotate back to model space in the kernel: one fp16 product by R^T per tile
 ):
@@ -473,17 +487,10 @@ def _load_mse_kernel(
     else:
         p_n = cache_ptr + o_src + INDEX_BYTES
         b_n = tl.load(p_n, mask=m_s, other=0).to(tl.uint16) | (tl.load(p_n + 1, mask=m_s, other=0).to(tl.uint16) << 8)
-    b_norm = b_n.to(tl.float16, bitcast=True).to(tl.float32)  # [BR]; 0 for rows not read
-
-    if NORM_CORRECTION:
-        # renormalise the centroid vector: one scale per row (approximate reciprocal square root)
-        b_energy = tl.sum(tl.sum(b_c * b_c, axis=2), axis=0)  # [BR]
-        b_scale = b_norm * tl.math.rsqrt(tl.maximum(b_energy, 1e-24))
-    else:
-        b_scale = b_norm
+    b_scale = b_n.to(tl.float16, bitcast=True).to(tl.float32)  # [BR]; 0 for rows not read (norm correction included)
     b_out = tl.permute(b_c * b_scale[None, :, None], (1, 0, 2))  # [BR, BG, 8]; rows not read: 0
     o_d = tl.arange(0, 8 * BLOCK_G)
-    if MODEL:  # y R^T on the tensor cores: fp16 operands (|y| <= the fp16 norm), fp32 accumulation
+    if MODEL:  # y R^T on the tensor cores: fp16 operands (|y| is the norm, within fp16 rounding), fp32 accumulation
         b_y = tl.reshape(b_out, [BLOCK_ROWS, 8 * BLOCK_G]).to(tl.float16)
         b_rt = tl.load(rt_ptr + o_d[:, None] * (8 * BLOCK_G) + o_d[None, :])  # [8 BG, 8 BG]
         b_out = tl.reshape(tl.dot(b_y, b_rt), [BLOCK_ROWS, BLOCK_G, 8])
@@ -651,6 +658,11 @@ def _default_block_rows(dim: int) -> int:
     return max(1, min(256, LOAD_TILE_ELEMENTS // (GROUP * _block_g(dim))))
 
 
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter runs programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -742,6 +754,7 @@ def store_mse(
             sign_bits, scale = rows, 1.0  # unused
         mid, tie = _midpoints(codec, device)
         parts.append(dict(rows=rows, signs=sign_bits, mid=mid, tie=tie, scale=scale, hadamard=signs is not None,
+                          centroids=_centroids(codec, device),
                           head=_store_head(cache, offset, index_bytes + NORM_BYTES)))
     # check: every written row's norm (rows not written stay 0); else a placeholder, never accessed
     norms = torch.zeros(2, num_rows if check else 1, dtype=torch.float32, device=device)
@@ -753,7 +766,7 @@ def store_mse(
             (parts[1], value_codec, layout.value_offset, layout.value_bytes, norms[1]),
         ):
             _store_mse_kernel[grid](  # no FMA contraction: y = z * scale must be rounded before t - y
-                p["rows"], p["signs"], p["mid"], p["tie"], slot_mapping, cache, part_norms,
+                p["rows"], p["signs"], p["mid"], p["tie"], p["centroids"], slot_mapping, cache, part_norms,
                 p["scale"], p["rows"].stride(0), num_rows, num_slots, offset,
                 slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
                 D=dim,
@@ -767,6 +780,7 @@ def store_mse(
                 INDEX_BYTES=index_bytes,
                 HEAD=p["head"],
                 HADAMARD=p["hadamard"],
+                NORM_CORRECTION=bool(codec.norm_correction),
                 CHECK=check,
                 num_warps=num_warps,
                 enable_fp_fusion=False,
@@ -779,7 +793,8 @@ def store_mse(
                 raise ValueError(f"{name} holds NaN or Inf values (or vectors whose norm overflows fp32); "
                                  "only finite values can be encoded")
             if overflow:
-                raise ValueError(f"{name} has vectors with norm above {C.FP16_MAX:g}; the norm is stored in fp16")
+                raise ValueError(f"{name} has vectors with norm above {C.FP16_MAX:g} (after norm correction: norm / |c|); "
+                                 "it is stored in fp16")
 
 
 def _part_layout(codec, part: str, slot_bytes: int):
@@ -865,7 +880,6 @@ def load_mse(
                 OFFSET=offset,
                 UNIT=max(u for u in (1, 2, 4) if codec.bits % u == 0 and align % u == 0),
                 NORM_ALIGNED=align % 2 == 0 and index_bytes % 2 == 0,
-                NORM_CORRECTION=bool(codec.norm_correction),
                 BF16_BY_BITS=out.dtype == torch.bfloat16 and _interpreted(),
                 MODEL=fused,
                 num_warps=num_warps,

@@ -5,7 +5,8 @@ does not depend on the device or on summation order (fp32 elementwise arithmetic
 accumulation for norms, comparisons), so the kernels can match the packed bytes exactly.
 
 * ``MSECodec``: rotate, take the norm, normalise, pick the nearest Lloyd-Max centroid of the
-  rotated coordinate distribution, pack the indices, append the fp16 norm. The Haar rotation is a
+  rotated coordinate distribution, pack the indices, append the fp16 scale (the norm, divided by the
+  length of the picked centroid vector with norm correction, so that decoding is one multiply). The Haar rotation is a
   float32 matrix product; the Hadamard rotation is ``fwht(x * signs) * scale``, a fixed sequence
   of float32 additions (``kvlab.rotation.fwht``), so a kernel can reproduce it exactly.
 * ``AffineCodec``: asymmetric min/max quantization with one fp16 scale and one fp16 zero per group
@@ -96,6 +97,11 @@ class MSECodec:
     ``fwht(x.float() * hadamard_signs) * hadamard_scale`` (``hadamard_signs``: float32 ``+-1``
     ``[dim]``; ``hadamard_scale``: ``1 / sqrt(dim)`` in float32), which is exactly reproducible;
     for Haar codecs ``hadamard_signs`` and ``hadamard_scale`` are ``None``.
+
+    The code ends in one fp16 scale ``s``, and decoding is ``y_hat = c[idx] * s``. With
+    ``norm_correction=True`` (the default) ``s = |y| / |c[idx]|``, so that the decoded vector has the
+    input's norm (up to fp16 rounding) and no decoder has to compute ``|c[idx]|``; without it
+    ``s = |y|``.
     """
 
     def __init__(self, dim: int, bits: int, rotation: str = "haar", seed: int = 0, norm_correction: bool = True):
@@ -133,11 +139,16 @@ class MSECodec:
         C.check_finite("x", x)
         y = self.rotate(x)
         norm = y.double().square().sum(-1).sqrt().float()
-        if bool((norm > C.FP16_MAX).any()):
-            raise ValueError(f"x has vectors with norm above {C.FP16_MAX:g}; the norm is stored in fp16")
         unit = y / torch.where(norm > 0, norm, 1.0).unsqueeze(-1)
         idx = torch.bucketize(unit, self.boundaries.to(x.device))  # number of boundaries < unit
-        return torch.cat([pack_indices(idx, self.bits), _fp16_bytes(norm)], -1)
+        scale = norm
+        if self.norm_correction:  # |c|: fp64 sum of the (exact) squares, sqrt in fp64, rounded once to fp32
+            length = self.centroids.to(x.device)[idx].double().square().sum(-1).sqrt().float()
+            scale = norm / length  # fp32, correctly rounded; every centroid is nonzero, so length > 0
+        if bool((scale > C.FP16_MAX).any()):
+            raise ValueError(f"x has vectors with norm above {C.FP16_MAX:g} (after norm correction: norm / |c|); "
+                             "it is stored in fp16")
+        return torch.cat([pack_indices(idx, self.bits), _fp16_bytes(scale)], -1)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ rotation`` in float32, computed as the encoder does (exactly reproducible for Hadamard)."""
@@ -151,10 +162,8 @@ class MSECodec:
         C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=self.nbytes)
         C.check_choice("space", space, ("model", "rotated"))
         idx = unpack_indices(codes[..., : self.index_bytes], self.bits, self.dim)
-        unit = self.centroids.to(codes.device)[idx]
-        if self.norm_correction:
-            unit = unit / unit.square().sum(-1, keepdim=True).sqrt().clamp_min(1e-12)
-        y = unit * _fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
+        # the stored scale already holds the norm correction: decoding is centroid times scale
+        y = self.centroids.to(codes.device)[idx] * _fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
         return y if space == "rotated" else y @ self.rotation.to(codes.device).T
 
 

@@ -525,14 +525,17 @@ def test_cache_with_a_mean_that_turns_with_the_position(device):
     assert torch.equal(ref.mse.cache.cpu(), tri.mse.cache.cpu())
     for a, b in zip(outs["reference"], outs["triton"]):
         assert rel_err(b.cpu(), a.cpu()) < 1e-6
-    k = torch.cat(ks, 2)  # [2, H, 32, D]; token 0 is the sink, tokens 1..31 are coded at positions 1..31
+    k = torch.cat(ks, 2).cpu()  # [2, H, 32, D]; token 0 is the sink, tokens 1..31 are coded at positions 1..31
     codec = CenteredMSECodec(D, 3, stats.mean[0], stats.scale[0], rope=stats.rope)
     rows = k[:, :, 1:].transpose(1, 2).reshape(-1, H, D)
     positions = torch.arange(1, 32).repeat(2)
-    codes, _ = kvlab.read_slots(ref.mse.cache, ref.mse._slots(0, 31), kvlab.MSESlot(D, 3, 2))
+    codes, _ = kvlab.read_slots(ref.mse.cache.cpu(), ref.mse._slots(0, 31).cpu(), kvlab.MSESlot(D, 3, 2))
     assert torch.equal(codes, codec.encode(rows, positions))
     decoded = codec.decode(codes, "model", positions).reshape(2, 31, H, D).transpose(1, 2)
-    assert torch.equal(outs["reference"][0][:, :, 1:], decoded) and torch.equal(outs["reference"][0][:, :, 0], k[:, :, 0])
+    first = outs["reference"][0].cpu()
+    assert torch.equal(first[:, :, 0], k[:, :, 0])  # the sink is stored as it is
+    # the reference back end decodes on the cache's device: exact on the CPU, float rounding elsewhere
+    assert rel_err(first[:, :, 1:], decoded) <= (0.0 if device == "cpu" else 1e-6)
     # keys whose mean turns with the position: the codec that turns its mean codes them better than one
     # with the average mean
     pos = torch.arange(200)

@@ -107,6 +107,19 @@ def test_mse_decode_matches_reference(case, fast, prefetch, device):
     assert rel_err(out, expected) <= TOL
 
 
+@pytest.mark.parametrize("fast", FAST)
+def test_mse_decode_without_norm_correction(fast, device):
+    """Codecs without norm correction store the plain norm; the same kernel decodes them (c times the scale)."""
+    lens, hq, hkv, dim, kb, vb, block_size, rotation = [33, 70], 4, 2, 64, 4, 2, 16, "haar"
+    kc, vc = (kvlab.MSECodec(dim, b, rotation=rotation, seed=s, norm_correction=False) for b, s in ((kb, 5), (vb, 6)))
+    layout = kvlab.MSESlot(dim, kb, vb)
+    write = lambda c, s, k, v: ref.write_slots(c, s, kc.encode(k), vc.encode(v), layout)  # noqa: E731
+    cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device)
+    q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(9)).to(device).half()
+    expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
+    assert rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2), expected) <= TOL
+
+
 # batch lengths, q heads, kv heads, dim, key bits, value bits, block size, rotation, mean turns with RoPE, position offset
 CENTERED_CASES = [
     ([37, 100, 1], 8, 2, 128, 4, 3, 16, "haar", True, 0),
@@ -336,8 +349,6 @@ def test_bad_inputs(good, device, monkeypatch):
         call(key_codec="mse")
     with pytest.raises(ValueError, match="key_codec.bits"):
         call(key_codec=kvlab.AffineCodec(2, 32), value_codec=kvlab.AffineCodec(2, 32))
-    with pytest.raises(ValueError, match="norm_correction"):
-        call(key_codec=kvlab.MSECodec(64, 4, norm_correction=False))
     with pytest.raises(ValueError, match="scale must be a positive finite float"):
         call(scale=float("nan"))
     with pytest.raises(ValueError, match="scale must be a positive finite float"):
