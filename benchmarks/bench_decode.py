@@ -56,7 +56,11 @@ SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages
          dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=128, num_warps=8),
          dict(block_n=64, num_warps=4, splits_factor=2),
          dict(block_n=64, num_warps=4, num_stages=1, prefetch=True), dict(block_n=32, num_warps=4, num_stages=1, prefetch=True),
-         dict(block_n=64, num_warps=4, num_stages=1, max_registers=128), dict(block_n=32, num_warps=4, num_stages=1)]
+         dict(block_n=64, num_warps=4, num_stages=1, max_registers=128), dict(block_n=32, num_warps=4, num_stages=1),
+         # the transposed products (keys as MMA rows: warpgroup MMAs on Hopper)
+         dict(block_n=64, num_warps=4, keys_as_rows=True), dict(block_n=64, num_warps=4, num_stages=1, keys_as_rows=True),
+         dict(block_n=128, num_warps=4, num_stages=1, keys_as_rows=True),
+         dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True)]
 
 
 def bench(fn, rep=60):

@@ -405,12 +405,49 @@ def _fetch_tile(
 
 
 @triton.jit
-def _softmax_step(b_s, b_m, b_l):
+def _per_key(x, KEYS_AS_ROWS: tl.constexpr):
+    """A ``[BN]`` vector (one value per key) broadcast along the score tile's key axis."""
+    if KEYS_AS_ROWS:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def _per_query(x, KEYS_AS_ROWS: tl.constexpr):
+    """A ``[BG]`` vector (one value per query row) broadcast along the score tile's query axis."""
+    if KEYS_AS_ROWS:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _scores(b_q, b_k, KEYS_AS_ROWS: tl.constexpr):
+    """``q K^T`` ``[BG, BN]``, or with ``KEYS_AS_ROWS`` its transpose ``K q^T`` ``[BN, BG]``."""
+    if KEYS_AS_ROWS:
+        return tl.dot(b_k, tl.trans(b_q))
+    else:
+        return tl.dot(b_q, tl.trans(b_k))
+
+
+@triton.jit
+def _softmax_step(b_s, b_m, b_l, KEYS_AS_ROWS: tl.constexpr):
     """Online softmax (base 2: log2(e) is folded into q): new maximum, rescale factor, weights, sum."""
-    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    AXIS: tl.constexpr = 0 if KEYS_AS_ROWS else 1
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=AXIS))
     b_alpha = tl.math.exp2(b_m - b_m_new)
-    b_p = tl.math.exp2(b_s - b_m_new[:, None])  # [BG, BN]
-    return b_m_new, b_alpha, b_p, b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_p = tl.math.exp2(b_s - _per_query(b_m_new, KEYS_AS_ROWS))  # the shape of b_s
+    return b_m_new, b_alpha, b_p, b_l * b_alpha + tl.sum(b_p, axis=AXIS)
+
+
+@triton.jit
+def _accumulate(b_acc, b_alpha, b_p, b_v, KEYS_AS_ROWS: tl.constexpr):
+    """``acc alpha + P V`` (``[BG, D]``), or with ``KEYS_AS_ROWS`` its transpose ``acc alpha + V^T P^T`` (``[D, BG]``)."""
+    if KEYS_AS_ROWS:
+        return b_acc * b_alpha[None, :] + tl.dot(tl.trans(b_v), b_p.to(tl.float16))
+    else:
+        return b_acc * b_alpha[:, None] + tl.dot(b_p.to(tl.float16), b_v)
 
 
 @triton.jit
@@ -418,30 +455,31 @@ def _attend_mse(
     key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
     tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, o_n, end, bias_ptr, o_bias, m_g,
     D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
 ):
     """The arithmetic of one MSE step, on what ``_fetch_tile`` read: update the running maximum ``b_m``,
     sum ``b_l`` and output ``b_acc`` of the query group ``b_q`` (``HAS_BIAS``: plus a per-row,
-    per-position score term read at ``bias_ptr + o_bias[row] + position``)."""
+    per-position score term read at ``bias_ptr + o_bias[row] + position``; ``KEYS_AS_ROWS``: the
+    score tile and ``b_acc`` are transposed)."""
     m_n = o_n < end
     # ---- scores: the rotated query against the centroids, times each key's stored scale
     if FAST:
         b_k = _mse_tile_fast(k0, k1, k2, tk0, tk1, tk2, tk3, BLOCK_N, D, BITS_K)
     else:
         b_k = _mse_tile_generic(k0, key_cent_ptr, BLOCK_N, D, BITS_K)
-    b_s = tl.dot(b_q, tl.trans(b_k)) * b_kn[None, :]
+    b_s = _scores(b_q, b_k, KEYS_AS_ROWS) * _per_key(b_kn, KEYS_AS_ROWS)
     if HAS_BIAS:  # centred keys with a turning mean: q . RoPE_n(mean), one fp32 per query row and position
-        b_s += tl.load(bias_ptr + o_bias[:, None] + o_n[None, :], mask=m_g[:, None] & m_n[None, :], other=0.0)
-    b_s = tl.where(m_n[None, :], b_s, float("-inf"))
-    b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l)
+        b_s += tl.load(bias_ptr + _per_query(o_bias, KEYS_AS_ROWS) + _per_key(o_n, KEYS_AS_ROWS),
+                       mask=_per_query(m_g, KEYS_AS_ROWS) & _per_key(m_n, KEYS_AS_ROWS), other=0.0)
+    b_s = tl.where(_per_key(m_n, KEYS_AS_ROWS), b_s, float("-inf"))
+    b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l, KEYS_AS_ROWS)
 
     # ---- values: the scale rides on the weight
     if FAST:
         b_v = _mse_tile_fast(v0, v1, v2, tv0, tv1, tv2, tv3, BLOCK_N, D, BITS_V)
     else:
         b_v = _mse_tile_generic(v0, value_cent_ptr, BLOCK_N, D, BITS_V)
-    b_pv = b_p * b_vn[None, :]
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_pv.to(tl.float16), b_v)
+    b_acc = _accumulate(b_acc, b_alpha, b_p * _per_key(b_vn, KEYS_AS_ROWS), b_v, KEYS_AS_ROWS)
     return b_m, b_l, b_acc
 
 
@@ -451,7 +489,7 @@ def _mse_step(
     tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
     bias_ptr, o_bias, m_g, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
     KEY_NORM_OFFSET: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_NORM_OFFSET: tl.constexpr, VALUE_ALIGN4: tl.constexpr,
-    BLOCK_N: tl.constexpr, FAST: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, FAST: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
 ):
     """The MSE step at keys ``n0 .. n0 + BLOCK_N``. ``PREFETCH``: attend over the reads passed in (this
     step's), after issuing the next step's, which it returns; else read this step's and attend (the
@@ -464,7 +502,8 @@ def _mse_step(
         k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
     b_m, b_l, b_acc = _attend_mse(
         key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
-        tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g, D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS)
+        tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0 + o_nb, end, bias_ptr, o_bias, m_g, D, BITS_K, BITS_V, BLOCK_N, FAST, HAS_BIAS,
+        KEYS_AS_ROWS)
     return b_m, b_l, b_acc, nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
 
 
@@ -472,16 +511,16 @@ def _mse_step(
 def _attend_affine(
     cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
     BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
-    VALUE_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+    VALUE_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
 ):
     """One step over token-axis affine codes: dequantize ``n s + z`` per group tile, then the same update."""
     m_n, o_slot = _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
                                 BLOCK_SIZE)
     b_k = _affine_tile(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
-    b_s = tl.where(m_n[None, :], tl.dot(b_q, tl.trans(b_k)), float("-inf"))  # [BG, BN]
-    b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l)
+    b_s = tl.where(_per_key(m_n, KEYS_AS_ROWS), _scores(b_q, b_k, KEYS_AS_ROWS), float("-inf"))
+    b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l, KEYS_AS_ROWS)
     b_v = _affine_tile(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(tl.float16), b_v)
+    b_acc = _accumulate(b_acc, b_alpha, b_p, b_v, KEYS_AS_ROWS)
     return b_m, b_l, b_acc
 
 
@@ -525,6 +564,7 @@ def _decode_split_kernel(
     FAST: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PREFETCH: tl.constexpr,  # MSE: issue the next step's reads before this step's arithmetic
+    KEYS_AS_ROWS: tl.constexpr,  # scores and output transposed (keys, dims as MMA rows: M = BLOCK_N, D)
     INTERPRETED: tl.constexpr,
     SPLIT_STEPS: tl.constexpr,  # interpreter only: split_len // BLOCK_N
 ):
@@ -545,7 +585,10 @@ def _decode_split_kernel(
 
     b_m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
     b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    if KEYS_AS_ROWS:
+        b_acc = tl.zeros([D, BLOCK_G], dtype=tl.float32)  # transposed
+    else:
+        b_acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     o_nb = tl.arange(0, BLOCK_N)
     # The interpreter needs a trip count it can read: there, steps run over SPLIT_STEPS and do nothing past the end.
     if AFFINE:
@@ -554,12 +597,14 @@ def _decode_split_kernel(
                 if start + it * BLOCK_N < end:
                     b_m, b_l, b_acc = _attend_affine(
                         cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, start + it * BLOCK_N + o_nb, end, i_b, i_h,
-                        stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N)
+                        stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
+                        KEYS_AS_ROWS)
         else:
             for n0 in range(start, end, BLOCK_N):
                 b_m, b_l, b_acc = _attend_affine(
                     cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, n0 + o_nb, end, i_b, i_h,
-                    stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N)
+                    stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
+                        KEYS_AS_ROWS)
     else:
         # PREFETCH: software pipelining, the reads of step i + 1 are issued before the arithmetic of step i
         # (the loop carries them); without, every step reads its own (the loop carries nothing more).
@@ -576,7 +621,8 @@ def _decode_split_kernel(
                         cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1,
                         v2, b_vn, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, start + it * BLOCK_N, end, i_b, i_h, stride_bt,
                         stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g, BLOCK_SIZE, D, BITS_K, BITS_V,
-                        KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS, PREFETCH)
+                        KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS, PREFETCH,
+                        KEYS_AS_ROWS)
                     if PREFETCH:
                         k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
         else:
@@ -585,12 +631,15 @@ def _decode_split_kernel(
                     cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2,
                     b_vn, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0, end, i_b, i_h, stride_bt, stride_block, stride_pos,
                     stride_head, bias_ptr, o_bias, m_g, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET,
-                    VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS, PREFETCH)
+                    VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS, PREFETCH, KEYS_AS_ROWS)
                 if PREFETCH:
                     k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
 
     o_part = (o_q * num_splits + i_s)  # [BG]
-    tl.store(o_part_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None])
+    if KEYS_AS_ROWS:
+        tl.store(o_part_ptr + o_part[None, :] * D + o_d[:, None], b_acc, mask=m_g[None, :])
+    else:
+        tl.store(o_part_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None])
     tl.store(ml_part_ptr + o_part * 2, b_m, mask=m_g)
     tl.store(ml_part_ptr + o_part * 2 + 1, b_l, mask=m_g)
 
@@ -865,6 +914,7 @@ def decode_attention(
     check: bool = True,
     position_offset: int = 0,
     prefetch: bool = False,
+    keys_as_rows: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged quantized cache: ``[batch, num_q_heads, dim]``.
 
@@ -881,7 +931,10 @@ def decode_attention(
     the launch; ``fast`` (default: on when compiled for a GPU) picks the ``prmt`` lookup over the
     generic unpack; ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the
     next step's block-table, code and norm reads before its own arithmetic (more registers, more reads
-    in flight).
+    in flight). ``keys_as_rows`` computes the transposed products, ``K q^T`` and ``V^T P^T``: the keys (and
+    the dims) are the rows of the matrix products, 64 or more, so that on Hopper Triton can issue them as
+    warpgroup MMAs (``wgmma``, at least 64 rows) instead of padding the query group to 16-row ``mma``
+    tiles; the result is the same up to float rounding.
     ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
     ``check=False`` never syncs and reads whatever blocks the table names.
 
@@ -928,6 +981,8 @@ def decode_attention(
         raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
     if not isinstance(prefetch, bool):
         raise TypeError(f"prefetch must be a bool, got {type(prefetch).__name__}")
+    if not isinstance(keys_as_rows, bool):
+        raise TypeError(f"keys_as_rows must be a bool, got {type(keys_as_rows).__name__}")
     if prefetch and kind != "mse":
         raise ValueError("prefetch=True applies to MSE caches (the affine path is not pipelined)")
     if fast and interpreted and not _interpreter_runs_ptx():
@@ -995,6 +1050,7 @@ def decode_attention(
             BITS_K=key_codec.bits, BITS_V=value_codec.bits, **offsets,
             BLOCK_G=max(16, _next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
             PREFETCH=prefetch,
+            KEYS_AS_ROWS=keys_as_rows,
             INTERPRETED=interpreted,
             SPLIT_STEPS=split_len // block_n if interpreted else 0,
             num_warps=num_warps, **extra,

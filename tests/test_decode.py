@@ -96,13 +96,18 @@ def affine_setup(case, device, seed=0):
     return q, cache, block_table, seq_lens, kc, vc
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+# launch options that change the loop's code: none, pipelined reads, transposed products, both
+LOOPS = [{}, dict(prefetch=True), dict(keys_as_rows=True), dict(prefetch=True, keys_as_rows=True)]
+LOOP_IDS = ["plain", "prefetch", "keys_as_rows", "prefetch-keys_as_rows"]
+
+
+@pytest.mark.parametrize("loop", LOOPS, ids=LOOP_IDS)
 @pytest.mark.parametrize("fast", FAST)
 @pytest.mark.parametrize("case", MSE_CASES, ids=MSE_IDS)
-def test_mse_decode_matches_reference(case, fast, prefetch, device):
+def test_mse_decode_matches_reference(case, fast, loop, device):
     q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, prefetch=prefetch)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, **loop)
     assert out.dtype == torch.float16 and out.shape == q.shape
     assert rel_err(out, expected) <= TOL
 
@@ -153,14 +158,14 @@ def centered_setup(case, device, seed=0):
     return q, cache, block_table, seq_lens, kc, vc, offset
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("loop", LOOPS[::3] + LOOPS[1:2], ids=LOOP_IDS[::3] + LOOP_IDS[1:2])
 @pytest.mark.parametrize("fast", FAST)
 @pytest.mark.parametrize("case", CENTERED_CASES, ids=CENTERED_IDS)
-def test_centered_decode_matches_reference(case, fast, prefetch, device):
+def test_centered_decode_matches_reference(case, fast, loop, device):
     q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
     out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, position_offset=offset,
-                           prefetch=prefetch)
+                           **loop)
     assert out.dtype == torch.float16 and out.shape == q.shape
     assert rel_err(out, expected) <= TOL
     # the same codes read as plain MSE keys (no scale, no mean) attend elsewhere: the test can tell
@@ -177,11 +182,12 @@ def test_rope_mean_scores_are_the_query_against_the_turned_mean(device):
     assert rel_err(scores.cpu(), expected) <= 1e-5
 
 
+@pytest.mark.parametrize("keys_as_rows", [False, True])
 @pytest.mark.parametrize("case", AFFINE_CASES, ids=AFFINE_IDS)
-def test_affine_decode_matches_reference(case, device):
+def test_affine_decode_matches_reference(case, keys_as_rows, device):
     q, cache, block_table, seq_lens, kc, vc = affine_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=3)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=3, keys_as_rows=keys_as_rows)
     assert rel_err(out, expected) <= TOL
 
 
@@ -395,10 +401,12 @@ def test_bad_centered_inputs(device):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, kc)
 
 
-def test_bad_prefetch(device):
+def test_bad_loop_options(device):
     q, cache, block_table, seq_lens, kc, vc = mse_setup(MSE_CASES[0], device)
     with pytest.raises(TypeError, match="prefetch must be a bool"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, prefetch=1)
+    with pytest.raises(TypeError, match="keys_as_rows must be a bool"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, keys_as_rows="yes")
     q, cache, block_table, seq_lens, kc, vc = affine_setup(AFFINE_CASES[1], device)
     with pytest.raises(ValueError, match="prefetch=True applies to MSE caches"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, prefetch=True)
