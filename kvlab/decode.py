@@ -58,7 +58,10 @@ Layouts
 How (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per step)
     * The query group of a KV head (``num_q_heads / num_kv_heads`` rows) is padded to 16 rows, so that
       each dequantized ``[BLOCK_N, dim]`` tile feeds one ``tl.dot`` for the scores and one for the
-      output, shared by the whole group.
+      output, shared by the whole group. ``keys_as_rows=True`` computes the transposed products
+      instead (``K q^T``, ``V^T P^T``): their rows are the ``BLOCK_N`` keys and the ``dim`` coordinates,
+      64 or more, so that on Hopper they run as warpgroup MMAs; the score tile and the running output
+      are then carried transposed.
     * Bytes are read once, as 32-bit words (value codes start 2-byte aligned: two 16-bit loads per
       word). The centroid lookup is a byte permute (``prmt``, inline PTX): the fp16 centroids are held
       as byte planes in registers (low bytes of the table in two registers, high bytes in two), one
