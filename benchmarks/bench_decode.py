@@ -60,6 +60,8 @@ SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages
          # the transposed products (keys as MMA rows: warpgroup MMAs on Hopper)
          dict(block_n=64, num_warps=4, keys_as_rows=True), dict(block_n=64, num_warps=4, num_stages=1, keys_as_rows=True),
          dict(block_n=128, num_warps=4, num_stages=1, keys_as_rows=True),
+         dict(block_n=128, num_warps=4, num_stages=1, keys_as_rows=True, max_registers=168),
+         dict(block_n=128, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True),
          dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True)]
 
 

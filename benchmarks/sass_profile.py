@@ -140,7 +140,8 @@ def _record(out: str, only: set[str]) -> None:
             q = torch.randn(1, hq, DIM, generator=g).half()
             seq_lens = torch.tensor([context], dtype=torch.int32)
             # one step of the split loop: BLOCK_N keys of one KV head
-            for name, extra in (("decode split step", {}), ("decode split step, keys as rows", dict(keys_as_rows=True))):
+            for name, extra in (("decode split step", {}), ("decode split step, keys as rows", dict(keys_as_rows=True)),
+                                ("decode split step, keys as rows, 128 keys", dict(keys_as_rows=True, block_n=128))):
                 case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
                      per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
     Path(out).write_text(json.dumps(launches, default=str))
