@@ -62,7 +62,10 @@ SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages
          dict(block_n=128, num_warps=4, num_stages=1, keys_as_rows=True),
          dict(block_n=128, num_warps=4, num_stages=1, keys_as_rows=True, max_registers=168),
          dict(block_n=128, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True),
-         dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True)]
+         dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True),
+         # affine: the dequantization in fp16 pairs (off by default until timed)
+         dict(block_n=64, num_warps=4, fast=True), dict(block_n=64, num_warps=4, num_stages=1, fast=True),
+         dict(block_n=64, num_warps=4, fast=True, keys_as_rows=True), dict(block_n=128, num_warps=4, num_stages=1, fast=True)]
 
 
 def bench(fn, rep=60):
@@ -168,6 +171,11 @@ def correctness_checks(codec_list=CODECS):
         if kind == "mse":
             checks[f"{kind}_k{kb}v{vb}_generic_rel_err"] = rel_err(
                 decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=False), expected)
+        if kind == "affine":
+            checks[f"{kind}_k{kb}v{vb}_fp16_pairs_rel_err"] = rel_err(
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=True), expected)
+        checks[f"{kind}_k{kb}v{vb}_keys_as_rows_rel_err"] = rel_err(
+            decode_attention(q, cache, block_table, seq_lens, kc, vc, keys_as_rows=True), expected)
     return checks
 
 
@@ -226,6 +234,8 @@ def main():
         for cfg in SWEEP:
             if cfg.get("prefetch") and kind == "affine":
                 continue  # the affine path is not pipelined
+            if "fast" in cfg and kind != "affine":
+                continue  # the MSE path is fast by default
             kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
             kw["num_splits"] = max(1, round(default_splits * cfg.get("splits_factor", 1)))
             try:

@@ -144,6 +144,18 @@ def _record(out: str, only: set[str]) -> None:
                                 ("decode split step, keys as rows, 128 keys", dict(keys_as_rows=True, block_n=128))):
                 case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
                      per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
+        # the affine cache (token groups of 32): the fp32 dequantization, and the fp16-pair one (fast=True,
+        # which the interpreter cannot record without a PTX emulator: recorded plain, then marked)
+        from kvlab.decode import AffineSlot
+
+        for bits in (4, 8):
+            kc = vc = kvlab.AffineCodec(bits, 32)
+            layout = AffineSlot(DIM, bits, bits, 32)
+            cache = torch.zeros(context // block, block, HEADS, layout.slot_bytes, dtype=torch.uint8)
+            for name, fast in (("decode split step, affine", False), ("decode split step, affine, fp16 pairs", True)):
+                case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False),
+                     per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
+                launches[-1]["constants"]["FAST"] = fast
     Path(out).write_text(json.dumps(launches, default=str))
 
 
@@ -164,8 +176,8 @@ def _sass(launch: dict) -> tuple[str, str]:
 
     const = dict(launch["constants"])
     for name, value in (("FAST", True), ("INTERPRETED", False), ("SPLIT_STEPS", None), ("BF16_BY_BITS", False)):
-        if name in const:
-            const[name] = value  # what the launchers pass when compiled
+        if name in const and not (name == "FAST" and const.get("AFFINE")):
+            const[name] = value  # what the launchers pass when compiled (affine decode: FAST as recorded)
     fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["aligned"]}
     options = {k: v for k, v in launch["options"].items() if k in ("num_warps", "maxnreg")}

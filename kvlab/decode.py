@@ -25,7 +25,11 @@ What
       RoPE it is the same for every key and the softmax drops it.
     * Affine (``kvlab.AffineCodec(bits, group_size, axis="token")`` keys and values, 4 or 8 bits):
       the paged affine layout below. Dequantization ``x_j = n_j s_g + z_g`` is linear in the index
-      ``n``; the kernel forms ``n s + z`` per group tile and runs the same loop (no rotation).
+      ``n``; the kernel forms ``n s + z`` per group tile and runs the same loop (no rotation). By
+      default in fp32; with ``fast=True`` in fp16 pairs (``_AFFINE4``, ``_AFFINE8``): ``0x6400 | n`` is the
+      fp16 ``1024 + n``, so a subtraction and an fp16x2 multiply-add give ``n s + z``. At 4 bits that
+      tile holds, at position ``2 j + h`` of each 8, coordinate ``j + 4 h`` (``_affine_tile_order``); the
+      query is permuted to match and the output put back, as for the MSE tiles.
 
     Split-KV (flash-decoding): the keys of a sequence are cut into ``num_splits`` ranges; one program
     per (sequence, KV head, range) computes an unnormalised partial output with its running maximum and
@@ -239,6 +243,48 @@ prmt.b32 $7, $9, $10, y;
 }""")
 
 
+# Affine: fp16 pairs n s + z of a code word, without a conversion instruction: 0x6400 | n is the fp16
+# 1024 + n (n < 1024 sits in the mantissa), so one subtraction gives n exactly and one fp16x2 multiply-add
+# n s + z. Inputs: the word, then s and z as fp16 pairs (the same value twice).
+# 4 bit: $0..$3 = (n_j, n_{j+4}) for j = 0..3 (nibble j at bits 4 j).
+_AFFINE4 = tl.constexpr("""{
+.reg .b32 a, m;
+mov.b32 m, 0x64006400;
+and.b32 a, $4, 0x000F000F;
+or.b32 a, a, m;
+sub.rn.f16x2 a, a, m;
+fma.rn.f16x2 $0, a, $5, $6;
+shr.b32 a, $4, 4;
+and.b32 a, a, 0x000F000F;
+or.b32 a, a, m;
+sub.rn.f16x2 a, a, m;
+fma.rn.f16x2 $1, a, $5, $6;
+shr.b32 a, $4, 8;
+and.b32 a, a, 0x000F000F;
+or.b32 a, a, m;
+sub.rn.f16x2 a, a, m;
+fma.rn.f16x2 $2, a, $5, $6;
+shr.b32 a, $4, 12;
+and.b32 a, a, 0x000F000F;
+or.b32 a, a, m;
+sub.rn.f16x2 a, a, m;
+fma.rn.f16x2 $3, a, $5, $6;
+}""")
+
+# 8 bit: $0 = (n_0, n_1), $1 = (n_2, n_3) (byte j of the word): natural order.
+_AFFINE8 = tl.constexpr("""{
+.reg .b32 a, m, e;
+mov.b32 e, 0x64646464;
+mov.b32 m, 0x64006400;
+prmt.b32 a, $2, e, 0x4140;
+sub.rn.f16x2 a, a, m;
+fma.rn.f16x2 $0, a, $3, $4;
+prmt.b32 a, $2, e, 0x4342;
+sub.rn.f16x2 a, a, m;
+fma.rn.f16x2 $1, a, $3, $4;
+}""")
+
+
 @triton.jit
 def _halves(x):
     """int32 holding an fp16 pair -> (low fp16, high fp16)."""
@@ -362,6 +408,29 @@ def _affine_tile(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS
     b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], [BN, NG, GROUP]), [BN, D])
     b_z = tl.reshape(tl.broadcast_to(b_z[:, :, None], [BN, NG, GROUP]), [BN, D])
     return (b_n * b_s + b_z).to(tl.float16)
+
+
+@triton.jit
+def _affine_tile_fast(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """``_affine_tile`` by fp16-pair arithmetic (``_AFFINE4`` / ``_AFFINE8``), in the tile order of
+    ``_affine_tile_order``: each word's scale and zero are read for that word (cached reads), so the
+    tile needs no exchange between threads before its product."""
+    PER: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = D // GROUP
+    o_w = tl.arange(0, D // PER)
+    b_w = _load_words(cache_ptr, o_base, o_w, m_n, True)  # [BN, W]
+    p_s = (cache_ptr + o_base[:, None] + D * BITS // 8 + 2 * (o_w // (GROUP // PER))[None, :]).to(tl.pointer_type(tl.uint16))
+    b_s = tl.load(p_s, mask=m_n[:, None], other=0).to(tl.uint32)  # [BN, W] the scale of each word's group
+    b_z = tl.load(p_s + NG, mask=m_n[:, None], other=0).to(tl.uint32)
+    b_s, b_z = b_s | (b_s << 16), b_z | (b_z << 16)  # fp16 pairs
+    if BITS == 4:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_AFFINE4, "=r,=r,=r,=r,r,r,r", [b_w, b_s, b_z],
+                                                   dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        return _pairs_to_tile((o0, o1, o2, o3), BN, D, 2)
+    else:
+        o0, o1 = tl.inline_asm_elementwise(_AFFINE8, "=r,=r,r,r,r", [b_w, b_s, b_z], dtype=(tl.int32,) * 2,
+                                           is_pure=True, pack=1)
+        return _pairs_to_tile((o0, o1), BN, D, 1)
 
 
 @triton.jit
@@ -514,15 +583,22 @@ def _mse_step(
 def _attend_affine(
     cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
     BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
-    VALUE_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+    VALUE_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, FAST: tl.constexpr,
 ):
-    """One step over token-axis affine codes: dequantize ``n s + z`` per group tile, then the same update."""
+    """One step over token-axis affine codes: dequantize ``n s + z`` per group tile, then the same update
+    (``FAST``: in fp16 pairs, ``_affine_tile_fast``)."""
     m_n, o_slot = _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
                                 BLOCK_SIZE)
-    b_k = _affine_tile(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
+    if FAST:
+        b_k = _affine_tile_fast(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
+    else:
+        b_k = _affine_tile(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
     b_s = tl.where(_per_key(m_n, KEYS_AS_ROWS), _scores(b_q, b_k, KEYS_AS_ROWS), float("-inf"))
     b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l, KEYS_AS_ROWS)
-    b_v = _affine_tile(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
+    if FAST:
+        b_v = _affine_tile_fast(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
+    else:
+        b_v = _affine_tile(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
     b_acc = _accumulate(b_acc, b_alpha, b_p, b_v, KEYS_AS_ROWS)
     return b_m, b_l, b_acc
 
@@ -601,13 +677,13 @@ def _decode_split_kernel(
                     b_m, b_l, b_acc = _attend_affine(
                         cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, start + it * BLOCK_N + o_nb, end, i_b, i_h,
                         stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
-                        KEYS_AS_ROWS)
+                        KEYS_AS_ROWS, FAST)
         else:
             for n0 in range(start, end, BLOCK_N):
                 b_m, b_l, b_acc = _attend_affine(
                     cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, n0 + o_nb, end, i_b, i_h,
                     stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
-                        KEYS_AS_ROWS)
+                        KEYS_AS_ROWS, FAST)
     else:
         # PREFETCH: software pipelining, the reads of step i + 1 are issued before the arithmetic of step i
         # (the loop carries them); without, every step reads its own (the loop carries nothing more).
@@ -679,6 +755,15 @@ def tile_order(bits: int, dim: int) -> torch.Tensor:
     p = torch.arange(dim)
     if bits == 2:
         return (p // 16) * 16 + (p % 8) // 2 + 4 * (p % 2) + 8 * ((p % 16) // 8)
+    return p
+
+
+def _affine_tile_order(bits: int, dim: int) -> torch.Tensor:
+    """int64 ``[dim]``: the coordinate held by each position of a ``_affine_tile_fast`` tile (4 bit:
+    position ``2 j + h`` of each 8 holds coordinate ``j + 4 h``; 8 bit: natural)."""
+    p = torch.arange(dim)
+    if bits == 4:
+        return (p // 8) * 8 + (p % 8) // 2 + 4 * (p % 2)
     return p
 
 
@@ -931,8 +1016,10 @@ def decode_attention(
     ``num_splits`` (default: about 16 programs per SM, splits of at least 256 keys), ``block_n`` (keys
     per step, a power of two 16..256), ``num_warps``, ``num_stages`` and ``max_registers`` (a cap on
     registers per thread, 32..255, so that more warps fit on an SM; ignored by the interpreter) tune
-    the launch; ``fast`` (default: on when compiled for a GPU) picks the ``prmt`` lookup over the
-    generic unpack; ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the
+    the launch; ``fast`` picks, for MSE caches, the ``prmt`` lookup over the generic unpack (default:
+    on when compiled for a GPU), and for affine caches the dequantization in fp16 pairs (``_AFFINE4``,
+    ``_AFFINE8``: no int-to-float conversion, no exchange of scales between threads) over the fp32 one
+    (default: off, until a GPU run has timed it); ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the
     next step's block-table, code and norm reads before its own arithmetic (more registers, more reads
     in flight). ``keys_as_rows`` computes the transposed products, ``K q^T`` and ``V^T P^T``: the keys (and
     the dims) are the rows of the matrix products, 64 or more, so that on Hopper Triton can issue them as
@@ -978,8 +1065,8 @@ def decode_attention(
         num_splits = _default_splits(batch, num_kv_heads, capacity, block_n, q.device)
     C.check_int("num_splits", num_splits, minimum=1)
     interpreted = q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if fast is None:
-        fast = not interpreted
+    if fast is None:  # affine: the fp16-pair tile is opt-in until a GPU run has timed it
+        fast = not interpreted and kind == "mse"
     if not isinstance(fast, bool):
         raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
     if not isinstance(prefetch, bool):
@@ -1020,10 +1107,15 @@ def decode_attention(
         offsets = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
                        VALUE_NORM_OFFSET=layout.value_norm_offset, VALUE_ALIGN4=layout.value_offset % 4 == 0, GROUP=16)
     else:
-        fast = False
         q_in = q.float()
-        order_v = _cached(key_codec, ("natural_order", device, dim), key_codec.bits,
-                          lambda _: torch.arange(dim, dtype=torch.int32, device=device))
+        if fast:  # tiles in _affine_tile_order: the query's coordinates permuted to match, the output's put back
+            q_in = q_in[..., _cached(key_codec, ("affine_query_order", device, dim), key_codec.bits,
+                                     lambda b: _affine_tile_order(b, dim).to(device))]
+            order_v = _cached(value_codec, ("affine_tile_order", device, dim), value_codec.bits,
+                              lambda b: _affine_tile_order(b, dim).to(device=device, dtype=torch.int32))
+        else:
+            order_v = _cached(key_codec, ("natural_order", device, dim), key_codec.bits,
+                              lambda _: torch.arange(dim, dtype=torch.int32, device=device))
         cent_k = cent_v = order_v  # unused
         offsets = dict(KEY_NORM_OFFSET=0, VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=0,
                        VALUE_ALIGN4=True, GROUP=key_codec.group_size)

@@ -3,7 +3,7 @@ centroid lookups in ``tl.inline_asm_elementwise``) is tested on a CPU as well.
 
 A small emulator of the PTX instructions kvlab's inline assembly uses, element by element over numpy
 uint32 arrays: ``shr shl and or xor not mul.lo mad.lo prmt mov`` on 32-bit registers and
-``mul.rn.f16x2 fma.rn.f16x2`` on fp16 pairs (in fp32, rounded to fp16: the products are exact, so
+``mul.rn.f16x2 sub.rn.f16x2 fma.rn.f16x2`` on fp16 pairs (in fp32, rounded to fp16: the products are exact, so
 ``mul`` matches the GPU; ``fma`` can differ from a fused fp16 FMA in the last bit of a sum, which only
 feeds the norm correction). Anything else raises, so an instruction added to a kernel cannot be
 emulated silently wrong. ``install()`` makes the interpreter's ``create_inline_asm`` use it.
@@ -73,6 +73,9 @@ def run(asm: str, constraints: str, inputs: list[np.ndarray]) -> list[np.ndarray
             s = val(ops[2])
             regs[ops[0]], regs[ops[1]] = s & U32(0xFFFF), s >> U32(16)
             continue
+        if op == "mov.b32":  # mov.b32 d, x
+            regs[ops[0]] = val(ops[1]).copy()
+            continue
         d = ops[0]
         x = [val(a) for a in ops[1:]]
         with np.errstate(over="ignore"):
@@ -97,6 +100,9 @@ def run(asm: str, constraints: str, inputs: list[np.ndarray]) -> list[np.ndarray
             elif op == "mul.rn.f16x2":
                 (a0, a1), (b0, b1) = _halves(x[0]), _halves(x[1])
                 r = _pack(a0 * b0, a1 * b1)
+            elif op == "sub.rn.f16x2":
+                (a0, a1), (b0, b1) = _halves(x[0]), _halves(x[1])
+                r = _pack(a0 - b0, a1 - b1)
             elif op == "fma.rn.f16x2":
                 (a0, a1), (b0, b1), (c0, c1) = _halves(x[0]), _halves(x[1]), _halves(x[2])
                 r = _pack(a0 * b0 + c0, a1 * b1 + c1)

@@ -183,11 +183,15 @@ def test_rope_mean_scores_are_the_query_against_the_turned_mean(device):
 
 
 @pytest.mark.parametrize("keys_as_rows", [False, True])
+@pytest.mark.parametrize("fast", FAST)
 @pytest.mark.parametrize("case", AFFINE_CASES, ids=AFFINE_IDS)
-def test_affine_decode_matches_reference(case, keys_as_rows, device):
+def test_affine_decode_matches_reference(case, fast, keys_as_rows, device):
+    """fast=True dequantizes in fp16 pairs, in a tile order of its own (4 bit); keys and values of
+    different widths (K4V8) have different orders."""
     q, cache, block_table, seq_lens, kc, vc = affine_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=3, keys_as_rows=keys_as_rows)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=3, keys_as_rows=keys_as_rows,
+                           fast=fast)
     assert rel_err(out, expected) <= TOL
 
 
@@ -426,5 +430,8 @@ def test_ptx_emulator():
     one_two = np.array([0x40003C00], dtype=np.uint32)  # fp16 pair (1.0, 2.0)
     (d,) = ptx.run("fma.rn.f16x2 $0, $1, $1, $1;", "=r,r", [one_two])
     assert d[0] == 0x46004000  # (1 * 1 + 1, 2 * 2 + 2) = (2.0, 6.0)
+    (d,) = ptx.run("{ .reg .b32 m; mov.b32 m, 0x64006400; sub.rn.f16x2 $0, $1, m; }", "=r,r",
+                   [np.array([0x640F6403], dtype=np.uint32)])
+    assert d[0] == 0x4B804200  # (1027 - 1024, 1039 - 1024) = (3.0, 15.0)
     with pytest.raises(NotImplementedError, match="add.u32"):
         ptx.run("add.u32 $0, $1, $1;", "=r,r", [a])
