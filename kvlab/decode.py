@@ -247,29 +247,11 @@ prmt.b32 $7, $9, $10, y;
 # 1024 + n (n < 1024 sits in the mantissa), so one subtraction gives n exactly and one fp16x2 multiply-add
 # n s + z. Inputs: the word, then s and z as fp16 pairs (the same value twice).
 # 4 bit: $0..$3 = (n_j, n_{j+4}) for j = 0..3 (nibble j at bits 4 j).
-_AFFINE4 = tl.constexpr("""{
-.reg .b32 a, m;
-mov.b32 m, 0x64006400;
-and.b32 a, $4, 0x000F000F;
-or.b32 a, a, m;
-sub.rn.f16x2 a, a, m;
-fma.rn.f16x2 $0, a, $5, $6;
-shr.b32 a, $4, 4;
-and.b32 a, a, 0x000F000F;
-or.b32 a, a, m;
-sub.rn.f16x2 a, a, m;
-fma.rn.f16x2 $1, a, $5, $6;
-shr.b32 a, $4, 8;
-and.b32 a, a, 0x000F000F;
-or.b32 a, a, m;
-sub.rn.f16x2 a, a, m;
-fma.rn.f16x2 $2, a, $5, $6;
-shr.b32 a, $4, 12;
-and.b32 a, a, 0x000F000F;
-or.b32 a, a, m;
-sub.rn.f16x2 a, a, m;
-fma.rn.f16x2 $3, a, $5, $6;
-}""")
+_AFFINE4 = tl.constexpr(
+    "{\n.reg .b32 a, m;\nmov.b32 m, 0x64006400;\n"
+    + "".join(f"shr.b32 a, $4, {4 * j};\nand.b32 a, a, 0x000F000F;\nor.b32 a, a, m;\nsub.rn.f16x2 a, a, m;\n"
+              f"fma.rn.f16x2 ${j}, a, $5, $6;\n" for j in range(4))
+    + "}")
 
 # 8 bit: $0 = (n_0, n_1), $1 = (n_2, n_3) (byte j of the word): natural order.
 _AFFINE8 = tl.constexpr("""{
