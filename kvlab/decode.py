@@ -110,7 +110,7 @@ from . import _checks as C
 from .affine import affine_code_bytes, pack_affine, unpack_affine
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .centered import load_centered_mse
-from .mse import _cached, _sm_count, load_mse  # _cached: per-codec device tables, rebuilt when the codec's tensors change
+from .mse import _cached, load_mse  # per-codec device tables, rebuilt when the codec's tensors change
 
 __all__ = [
     "AffineSlot",
@@ -958,6 +958,11 @@ def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: i
     a, b = q.float() * mean, q.float() * rot_half
     ab = torch.cat([a[..., :half] + a[..., half:], b[..., :half] + b[..., half:]], -1)  # [B, HQ, D]
     return ab @ _rope_table(key_codec, length, position_offset, q.device).T
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter runs programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 @functools.lru_cache(maxsize=None)

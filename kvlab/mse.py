@@ -658,11 +658,6 @@ def _default_block_rows(dim: int) -> int:
     return max(1, min(256, LOAD_TILE_ELEMENTS // (GROUP * _block_g(dim))))
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter runs programs one by one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
