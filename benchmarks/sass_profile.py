@@ -85,10 +85,11 @@ def _record(out: str, only: set[str]) -> None:
 
     interp.InterpretedFunction.run = recording_run
 
-    def case(name, bits, call, nbytes=None, per_program=None):
+    def case(name, bits, call, nbytes=None, per_program=None, compiled=None):
         """Record the kernel launches of ``call()`` as ``name``: the bytes it must move (``nbytes``, or
         a function of its result), shared by its launches (the MSE store launches keys, then values);
-        or, for a loop, the bytes of one step (``per_program``, one program counted)."""
+        or, for a loop, the bytes of one step (``per_program``, one program counted). ``compiled``:
+        constants the compiled launch takes where the interpreter's differs (the fast decode path)."""
         first = len(launches)
         result = call()
         mine = [r for r in launches[first:] if not r["kernel"].startswith("_merge")]  # decode: the split kernel only
@@ -96,6 +97,7 @@ def _record(out: str, only: set[str]) -> None:
         total = nbytes(result) if callable(nbytes) else nbytes
         for r in mine:
             r.update(case=name, bits=bits)
+            r["constants"].update(compiled or {})
             if per_program is not None:
                 r.update(bytes=per_program(r), programs=1)
             else:
@@ -143,19 +145,20 @@ def _record(out: str, only: set[str]) -> None:
             for name, extra in (("decode split step", {}), ("decode split step, keys as rows", dict(keys_as_rows=True)),
                                 ("decode split step, keys as rows, 128 keys", dict(keys_as_rows=True, block_n=128))):
                 case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
-                     per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
-        # the affine cache (token groups of 32): the fp32 dequantization, and the fp16-pair one (fast=True,
-        # which the interpreter cannot record without a PTX emulator: recorded plain, then marked)
+                     per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes, compiled=dict(FAST=True))
+        # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
+        # one (fast=True, which the interpreter cannot run without a PTX emulator: the same launch, marked)
         from kvlab.decode import AffineSlot
 
         for bits in (4, 8):
             kc = vc = kvlab.AffineCodec(bits, 32)
             layout = AffineSlot(DIM, bits, bits, 32)
             cache = torch.zeros(context // block, block, HEADS, layout.slot_bytes, dtype=torch.uint8)
-            for name, fast in (("decode split step, affine", False), ("decode split step, affine, fp16 pairs", True)):
-                case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False),
-                     per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
-                launches[-1]["constants"]["FAST"] = fast
+            case("decode split step, affine", bits,
+                 lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False),
+                 per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
+            plain = launches[-1]
+            launches.append(dict(plain, case="decode split step, affine, fp16 pairs", constants=dict(plain["constants"], FAST=True)))
     Path(out).write_text(json.dumps(launches, default=str))
 
 
@@ -175,9 +178,9 @@ def _sass(launch: dict) -> tuple[str, str]:
     from triton.compiler import ASTSource
 
     const = dict(launch["constants"])
-    for name, value in (("FAST", True), ("INTERPRETED", False), ("SPLIT_STEPS", None), ("BF16_BY_BITS", False)):
-        if name in const and not (name == "FAST" and const.get("AFFINE")):
-            const[name] = value  # what the launchers pass when compiled (affine decode: FAST as recorded)
+    for name, value in (("INTERPRETED", False), ("SPLIT_STEPS", None), ("BF16_BY_BITS", False)):
+        if name in const:
+            const[name] = value  # what the launchers pass when compiled
     fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["aligned"]}
     options = {k: v for k, v in launch["options"].items() if k in ("num_warps", "maxnreg")}

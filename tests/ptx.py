@@ -1,11 +1,12 @@
-"""Run kvlab's inline PTX under Triton's interpreter, so that the decode kernel's fast path (byte-permute
-centroid lookups in ``tl.inline_asm_elementwise``) is tested on a CPU as well.
+"""Run kvlab's inline PTX under Triton's interpreter, so that the decode kernel's fast paths (byte-permute
+centroid lookups, affine dequantization in fp16 pairs, in ``tl.inline_asm_elementwise``) are tested on a
+CPU as well.
 
 A small emulator of the PTX instructions kvlab's inline assembly uses, element by element over numpy
 uint32 arrays: ``shr shl and or xor not mul.lo mad.lo prmt mov`` on 32-bit registers and
 ``mul.rn.f16x2 sub.rn.f16x2 fma.rn.f16x2`` on fp16 pairs (in fp32, rounded to fp16: the products are exact, so
-``mul`` matches the GPU; ``fma`` can differ from a fused fp16 FMA in the last bit of a sum, which only
-feeds the norm correction). Anything else raises, so an instruction added to a kernel cannot be
+``mul`` matches the GPU; ``fma`` and ``sub`` can differ from the GPU's fp16 arithmetic in the last bit,
+within the decode tests' tolerance). Anything else raises, so an instruction added to a kernel cannot be
 emulated silently wrong. ``install()`` makes the interpreter's ``create_inline_asm`` use it.
 """
 
