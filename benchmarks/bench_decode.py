@@ -63,6 +63,8 @@ SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages
          dict(block_n=128, num_warps=4, num_stages=1, keys_as_rows=True, max_registers=168),
          dict(block_n=128, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True),
          dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True),
+         dict(block_n=128, num_warps=8, num_stages=1, keys_as_rows=True),
+         dict(block_n=256, num_warps=8, num_stages=1, keys_as_rows=True),
          # affine: the dequantization in fp16 pairs (off by default until timed)
          dict(block_n=64, num_warps=4, fast=True), dict(block_n=64, num_warps=4, num_stages=1, fast=True),
          dict(block_n=64, num_warps=4, fast=True, keys_as_rows=True), dict(block_n=128, num_warps=4, num_stages=1, fast=True)]
