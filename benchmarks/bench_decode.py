@@ -2,13 +2,16 @@
 
 One run: optionally runs ``tests/test_decode.py`` and ``tests/test_centered.py`` compiled on this GPU
 (or records the log of a run made just before), measures the device copy bandwidth, checks
-``decode_attention`` against the reference at a few thousand tokens, sweeps a few launch
-configurations at the headline shape (batch 8, context 32k), then times every grid point: batch
+``decode_attention`` against the reference at a few thousand tokens, with ``--sweep`` times the
+launch configurations of ``SWEEP`` at the headline shape (batch 8, context 32k; the fastest of each
+codec are the library's ``launch_defaults``), then times every grid point: batch
 1/8/32 x context 1k/4k/16k/32k/128k, 32 query heads, 8 KV heads, head dim 128, for the MSE codec at
 K4V4, K3V3, K2V2, the centred-key MSE codec at K4V4 (keys around a RoPE-turned mean: one more score
 term per key, ``rope_mean_scores``) and the affine codec (groups of 32) at K4V4 and K8V8, against
 ``scaled_dot_product_attention`` in fp16 over an unquantized contiguous cache of the same shape, timed
-in the same run (the query group of a KV head is SDPA's query axis, so no head is copied).
+in the same run (the query group of a KV head is SDPA's query axis, so no head is copied). The grid
+runs each codec's ``launch_defaults`` (what a caller who sets no launch argument gets), or with
+``--sweep`` the fastest configuration of the sweep.
 
 Timings are medians of ``triton.testing.do_bench`` of the whole entry point (query rotation GEMM,
 split kernel, merge kernel, output rotation GEMM), called from Python as a user would: where the GPU
@@ -21,7 +24,7 @@ per token and KV head) for the quantized cache, the fp16 K and V for SDPA. The q
 random codes (valid fp16 norms, scales and zeros) in shuffled physical blocks of 16 tokens; grid
 points that do not fit in memory are recorded as skipped.
 
-    python benchmarks/bench_decode.py [--out results] [--no-tests | --tests-log FILE] [--quick]
+    python benchmarks/bench_decode.py [--out results] [--no-tests | --tests-log FILE] [--quick] [--sweep]
 """
 
 from __future__ import annotations
@@ -202,6 +205,9 @@ def main():
     ap.add_argument("--tests-log", help="pytest output of tests/test_decode.py and tests/test_centered.py run on this machine just before (several files: comma-separated)")
     ap.add_argument("--quick", action="store_true", help="headline point only (batch 8, context 32k)")
     ap.add_argument("--codecs", help="only these codecs, e.g. mse:4:4,centered:4:4 (default: all of CODECS)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time SWEEP's launch configurations at the headline shape first (decode_attention_sweep.csv), "
+                         "and time the grid at each codec's fastest; without it the grid runs the library's launch_defaults")
     args = ap.parse_args()
     codec_list = CODECS
     if args.codecs:
@@ -224,10 +230,10 @@ def main():
     total_mem = torch.cuda.get_device_properties(0).total_memory
 
     # ---- launch configurations at the headline shape
-    best = {}
+    best = {c: kvlab.decode.launch_defaults(c[0], max(c[1], c[2])) for c in codec_list}
     b, L = HEADLINE
     sweep_rows = []
-    for kind, kb, vb in codec_list:
+    for kind, kb, vb in codec_list if args.sweep else []:
         kc, vc, layout = codecs(kind, kb, vb)
         cache, block_table, seq_lens = random_cache(kind, layout, b, L)
         q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
@@ -258,7 +264,13 @@ def main():
                                    num_splits=kw["num_splits"], time_ms=ms))
             print(f"  generic unpack {kind} k{kb}v{vb}: {ms:.4f} ms", flush=True)
         del cache, block_table
-    meta["sweep"] = sweep_rows
+    if args.sweep:
+        meta["sweep"] = sweep_rows
+        write_csv(Path(args.out) / "decode_attention_sweep.csv", sweep_rows,
+                  ["codec", "key_bits", "value_bits", "config", "num_splits", "time_ms"],
+                  dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"], date=meta["date"], batch=b, context=L))
+    meta["launch"] = "fastest of the sweep" if args.sweep else "launch_defaults"
+    meta["configs"] = {f"{k[0]}_k{k[1]}v{k[2]}": v for k, v in best.items()}
     meta["compiled"] = [dict(key=str(k)[:300], n_regs=v.n_regs, n_spills=v.n_spills)
                         for cache_ in kvlab.decode._decode_split_kernel.device_caches.values() for k, v in cache_[0].items()]
     for c in meta["compiled"]:

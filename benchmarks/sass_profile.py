@@ -142,8 +142,9 @@ def _record(out: str, only: set[str]) -> None:
             q = torch.randn(1, hq, DIM, generator=g).half()
             seq_lens = torch.tensor([context], dtype=torch.int32)
             # one step of the split loop: BLOCK_N keys of one KV head
-            for name, extra in (("decode split step", {}), ("decode split step, keys as rows", dict(keys_as_rows=True)),
-                                ("decode split step, keys as rows, 128 keys", dict(keys_as_rows=True, block_n=128))):
+            plain = dict(block_n=64, prefetch=False, keys_as_rows=False)
+            for name, extra in (("decode split step", plain), ("decode split step, keys as rows", dict(plain, keys_as_rows=True)),
+                                ("decode split step, keys as rows, 128 keys", dict(plain, keys_as_rows=True, block_n=128))):
                 case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
                      per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes, compiled=dict(FAST=True))
         # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
@@ -155,7 +156,7 @@ def _record(out: str, only: set[str]) -> None:
             layout = AffineSlot(DIM, bits, bits, 32)
             cache = torch.zeros(context // block, block, HEADS, layout.slot_bytes, dtype=torch.uint8)
             case("decode split step, affine", bits,
-                 lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False),
+                 lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, block_n=64, fast=False),
                  per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
             plain = launches[-1]
             launches.append(dict(plain, case="decode split step, affine, fp16 pairs", constants=dict(plain["constants"], FAST=True)))

@@ -960,6 +960,31 @@ def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: i
     return ab @ _rope_table(key_codec, length, position_offset, q.device).T
 
 
+# The launch of the split loop when the caller leaves it to the library: the fastest configuration of
+# ``benchmarks/bench_decode.py --sweep`` at batch 8, context 32k, 32 query and 8 KV heads, head dim 128,
+# on an H200 (results/decode_attention_sweep.csv), by cache kind and the wider of the key and value bit
+# widths. Centred 2- and 3-bit keys use the MSE entry. Other shapes and GPUs may prefer others: every
+# field is an argument of ``decode_attention``.
+LAUNCH_DEFAULTS = {
+    ("mse", 4): dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True, fast=True),
+    ("mse", 3): dict(block_n=128, num_warps=4, num_stages=1, max_registers=168, keys_as_rows=True, fast=True),
+    ("mse", 2): dict(block_n=128, num_warps=4, num_stages=1, keys_as_rows=True, fast=True),
+    ("centered", 4): dict(block_n=64, num_warps=4, num_stages=1, fast=True),
+    ("affine", 4): dict(block_n=128, num_warps=4, num_stages=1, fast=True),
+    ("affine", 8): dict(block_n=64, num_warps=4, num_stages=2, fast=False),
+}
+
+
+def launch_defaults(kind: str, bits: int) -> dict:
+    """The split loop's launch arguments for a cache ``kind`` (``"mse"``, ``"centered"``, ``"affine"``) whose
+    wider codec has ``bits`` bits: a copy of the ``LAUNCH_DEFAULTS`` entry (``fast`` as measured, before
+    the interpreter turns it off)."""
+    entry = (kind, bits) if (kind, bits) in LAUNCH_DEFAULTS or kind != "centered" else ("mse", bits)
+    if entry not in LAUNCH_DEFAULTS:
+        raise ValueError(f"no launch defaults for a {kind!r} cache of {bits} bits; have {sorted(LAUNCH_DEFAULTS)}")
+    return dict(LAUNCH_DEFAULTS[entry])
+
+
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter runs programs one by one)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -981,15 +1006,15 @@ def decode_attention(
     *,
     scale: float | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     max_registers: int | None = None,
     fast: bool | None = None,
     check: bool = True,
     position_offset: int = 0,
-    prefetch: bool = False,
-    keys_as_rows: bool = False,
+    prefetch: bool | None = None,
+    keys_as_rows: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged quantized cache: ``[batch, num_q_heads, dim]``.
 
@@ -1003,10 +1028,11 @@ def decode_attention(
     ``num_splits`` (default: about 16 programs per SM, splits of at least 256 keys), ``block_n`` (keys
     per step, a power of two 16..256), ``num_warps``, ``num_stages`` and ``max_registers`` (a cap on
     registers per thread, 32..255, so that more warps fit on an SM; ignored by the interpreter) tune
-    the launch; ``fast`` picks, for MSE caches, the ``prmt`` lookup over the generic unpack (default:
-    on when compiled for a GPU), and for affine caches the dequantization in fp16 pairs (``_AFFINE4``,
-    ``_AFFINE8``: no int-to-float conversion, no exchange of scales between threads) over the fp32 one
-    (default: off, until a GPU run has timed it); ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the
+    the launch; ``fast`` picks, for MSE caches, the ``prmt`` lookup over the generic unpack, and for
+    affine caches the dequantization in fp16 pairs (``_AFFINE4``, ``_AFFINE8``: no int-to-float
+    conversion, no exchange of scales between threads) over the fp32 one. Every launch argument left
+    at ``None`` comes from ``launch_defaults`` (the fastest configuration measured for the cache's
+    kind and widest bit width; ``fast`` only when compiled for a GPU). ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the
     next step's block-table, code and norm reads before its own arithmetic (more registers, more reads
     in flight). ``keys_as_rows`` computes the transposed products, ``K q^T`` and ``V^T P^T``: the keys (and
     the dims) are the rows of the matrix products, 64 or more, so that on Hopper Triton can issue them as
@@ -1030,6 +1056,13 @@ def decode_attention(
         raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
     kind = _check_codecs(key_codec, value_codec, dim)
     centered, key_codec = _split_centered(key_codec, position_offset)
+    tuned = launch_defaults("centered" if centered is not None else kind, max(key_codec.bits, value_codec.bits))
+    block_n = tuned["block_n"] if block_n is None else block_n
+    num_warps = tuned["num_warps"] if num_warps is None else num_warps
+    num_stages = tuned.get("num_stages") if num_stages is None else num_stages
+    max_registers = tuned.get("max_registers") if max_registers is None else max_registers
+    prefetch = tuned.get("prefetch", False) if prefetch is None else prefetch
+    keys_as_rows = tuned.get("keys_as_rows", False) if keys_as_rows is None else keys_as_rows
     layout = _slot_layout(kind, dim, key_codec, value_codec)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
@@ -1052,8 +1085,8 @@ def decode_attention(
         num_splits = _default_splits(batch, num_kv_heads, capacity, block_n, q.device)
     C.check_int("num_splits", num_splits, minimum=1)
     interpreted = q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if fast is None:  # affine: the fp16-pair tile is opt-in until a GPU run has timed it
-        fast = not interpreted and kind == "mse"
+    if fast is None:  # inline PTX: only when compiled for a GPU
+        fast = not interpreted and tuned["fast"]
     if not isinstance(fast, bool):
         raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
     if not isinstance(prefetch, bool):

@@ -97,7 +97,8 @@ def affine_setup(case, device, seed=0):
 
 
 # launch options that change the loop's code: none, pipelined reads, transposed products, both
-LOOPS = [{}, dict(prefetch=True), dict(keys_as_rows=True), dict(prefetch=True, keys_as_rows=True)]
+LOOPS = [dict(prefetch=False, keys_as_rows=False), dict(prefetch=True, keys_as_rows=False),
+         dict(prefetch=False, keys_as_rows=True), dict(prefetch=True, keys_as_rows=True)]
 LOOP_IDS = ["plain", "prefetch", "keys_as_rows", "prefetch-keys_as_rows"]
 
 
@@ -403,6 +404,32 @@ def test_bad_centered_inputs(device):
         decode_attention(q.half(), cache, block_table, seq_lens, three, vc)
     with pytest.raises(TypeError, match="value_codec must be a kvlab.MSECodec"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, kc)
+
+
+@pytest.mark.parametrize("entry", sorted(kvlab.decode.LAUNCH_DEFAULTS), ids=lambda e: f"{e[0]}{e[1]}")
+def test_launch_defaults(entry, device):
+    """A call that sets no launch argument runs its cache's LAUNCH_DEFAULTS entry (the same output, bit
+    for bit, as passing that entry), and it matches the reference."""
+    kind, bits = entry
+    lens, offset = [150, 7], 0
+    if kind == "affine":
+        q, cache, block_table, seq_lens, kc, vc = affine_setup((lens, 8, 2, 128, bits, bits, 16, 32), device)
+    elif kind == "centered":
+        q, cache, block_table, seq_lens, kc, vc, offset = centered_setup((lens, 8, 2, 128, bits, bits, 16, "haar", True, 5), device)
+    else:
+        q, cache, block_table, seq_lens, kc, vc = mse_setup((lens, 8, 2, 128, bits, bits, 16, "hadamard"), device)
+    launch = kvlab.decode.launch_defaults(kind, bits)
+    assert launch == kvlab.decode.LAUNCH_DEFAULTS[entry]
+    if device != "cuda":
+        launch["fast"] = False  # inline PTX: the interpreter's default
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=2, position_offset=offset)
+    assert torch.equal(out, decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=2,
+                                             position_offset=offset, **launch))
+    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
+    assert rel_err(out, expected) <= TOL
+    assert kvlab.decode.launch_defaults("centered", 2) == kvlab.decode.LAUNCH_DEFAULTS["mse", 2]
+    with pytest.raises(ValueError, match=f"no launch defaults for a '{kind}' cache of 5 bits"):
+        kvlab.decode.launch_defaults(kind, 5)
 
 
 def test_bad_loop_options(device):
