@@ -98,6 +98,23 @@ def host_ms(fn, calls=50):
     return (t1 - t0) * 1e3 / calls
 
 
+def kernel_breakdown(fn, calls=20) -> dict:
+    """GPU time per call of each kernel ``fn`` launches (microseconds, torch.profiler), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0 and e.device_type.name == "CUDA":
+            out[e.key[:80]] = out.get(e.key[:80], 0.0) + e.device_time_total / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def copy_bandwidth(nbytes=4 << 30):
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
@@ -314,6 +331,11 @@ def main():
                 kw["num_splits"] = max(1, round(kvlab.decode._default_splits(b, HKV, L, kw["block_n"], q.device) * cfg.get("splits_factor", 1)))
                 fn = lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw)  # noqa: E731
                 ms, graph_ms = bench(fn), bench_graph(fn)
+                if (b, L) == HEADLINE:  # where the time of one call goes, kernel by kernel
+                    try:
+                        meta.setdefault("breakdown_us", {})[f"{kind}_k{kb}v{vb}"] = kernel_breakdown(fn)
+                    except Exception as e:  # a profiler that cannot see the device
+                        meta.setdefault("breakdown_us", {})[f"{kind}_k{kb}v{vb}"] = {"error": f"{type(e).__name__}: {e}"[:200]}
                 rows.append(dict(row, status="ok", time_ms=ms, bytes=need, config=" ".join(f"{k}={v}" for k, v in kw.items()),
                                  speedup_vs_sdpa=sdpa_ms / ms if sdpa_ms else None, time_graph_ms=graph_ms,
                                  speedup_graph_vs_sdpa=sdpa_graph_ms / graph_ms if sdpa_ms and sdpa_graph_ms and graph_ms else None,
