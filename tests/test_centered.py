@@ -6,6 +6,8 @@ skipped slots are checked too); ``load_centered_mse`` must match ``CenteredMSECo
 relative (the MSE load kernel applies the norm correction as one scale per row).
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -209,11 +211,13 @@ def _keys_and_queries(model, ids, window):
     hooks = [layer.self_attn.register_forward_pre_hook(hook(i, layer.self_attn), with_kwargs=True)
              for i, layer in enumerate(model.model.layers)]
     keys = []
+    # the cache's keyword: ``cache`` since transformers 5.2x, ``past_key_values`` before
+    cache_kw = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
     try:
         for w in range(ids.numel() // window):
             cache = DynamicCache(config=model.config)
             with torch.no_grad():
-                model(ids[None, window * w : window * w + window], cache=cache, use_cache=True)
+                model(ids[None, window * w : window * w + window], use_cache=True, **{cache_kw: cache})
             keys.append(torch.stack([layer.keys[0] for layer in cache.layers]))
     finally:
         for h in hooks:
