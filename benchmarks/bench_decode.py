@@ -68,7 +68,7 @@ SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages
          dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True),
          dict(block_n=128, num_warps=8, num_stages=1, keys_as_rows=True),
          dict(block_n=256, num_warps=8, num_stages=1, keys_as_rows=True),
-         # affine: the dequantization in fp16 pairs (off by default until timed)
+         # affine: the dequantization in fp16 pairs
          dict(block_n=64, num_warps=4, fast=True), dict(block_n=64, num_warps=4, num_stages=1, fast=True),
          dict(block_n=64, num_warps=4, fast=True, keys_as_rows=True), dict(block_n=128, num_warps=4, num_stages=1, fast=True)]
 
@@ -166,7 +166,8 @@ def rel_err(a, b):
 
 
 def correctness_checks(codec_list=CODECS):
-    """decode_attention vs the reference at a few thousand tokens, data written by the store kernels."""
+    """decode_attention vs the reference at a few thousand tokens, data written by the store kernels: at the
+    launch defaults, and with the other choice of each option the defaults set."""
     checks = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = [3001, 1777]
@@ -194,10 +195,12 @@ def correctness_checks(codec_list=CODECS):
             checks[f"{kind}_k{kb}v{vb}_generic_rel_err"] = rel_err(
                 decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=False), expected)
         if kind == "affine":
-            checks[f"{kind}_k{kb}v{vb}_fp16_pairs_rel_err"] = rel_err(
-                decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=True), expected)
-        checks[f"{kind}_k{kb}v{vb}_keys_as_rows_rel_err"] = rel_err(
-            decode_attention(q, cache, block_table, seq_lens, kc, vc, keys_as_rows=True), expected)
+            for fast in (False, True):
+                checks[f"{kind}_k{kb}v{vb}_{'fp16_pairs' if fast else 'fp32'}_rel_err"] = rel_err(
+                    decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=fast), expected)
+        for rows in (False, True):  # the launch defaults pick one of the two products
+            checks[f"{kind}_k{kb}v{vb}_keys_as_rows_{rows}_rel_err"] = rel_err(
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, keys_as_rows=rows), expected)
     return checks
 
 
