@@ -11,6 +11,9 @@ call is its main one::
         --section Occupancy --section SpeedOfLight --metrics $(python benchmarks/ncu_decode.py --metrics) \\
         --csv --page details python benchmarks/ncu_decode.py > ncu.csv
     python benchmarks/ncu_decode.py --summarise ncu.csv --out results/decode_attention_ncu.json
+
+``results/decode_attention_ncu.csv.gz`` is the committed run's ncu output; ``--summarise`` reads it too
+(``--run-from`` the committed JSON to keep the run's device, versions and date).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ CONFIGS = [
     ("affine_k4v4 defaults", "affine", 4, 4, {}),
 ]
 # the metrics kept per kernel (ncu's names, as its details page prints them)
-KEEP = ("Duration", "Registers Per Thread", "Achieved Occupancy", "Theoretical Occupancy", "Issued Warp Per Scheduler",
+KEEP = ("Duration", "L1/TEX Cache Throughput", "L2 Cache Throughput", "Registers Per Thread", "Achieved Occupancy", "Theoretical Occupancy", "Issued Warp Per Scheduler",
         "No Eligible", "Active Warps Per Scheduler", "Eligible Warps Per Scheduler", "Warp Cycles Per Issued Instruction",
         "Memory Throughput", "DRAM Throughput", "Compute (SM) Throughput", "Block Limit Registers", "Block Limit Shared Mem")
 
@@ -77,12 +80,16 @@ def run() -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def summarise(path: str, out: str) -> None:
-    """ncu's ``--csv --page details`` output -> per configuration, the main kernel's kept metrics."""
+def summarise(path: str, out: str, run_from: str | None = None) -> None:
+    """ncu's ``--csv --page details`` output (or its gzip) -> per configuration, the main kernel's kept
+    metrics. Device, versions and date: this machine's, or those of the JSON ``run_from`` (a summary
+    written on the GPU that ran ncu)."""
+    import gzip
+
     import torch
     import triton
 
-    text = Path(path).read_text()
+    text = (gzip.open(path, "rt") if path.endswith(".gz") else open(path)).read()
     text = text[text.index('"ID"'):]  # ncu prints its own lines before the table
     launches: dict[str, dict] = {}
     order: list[str] = []
@@ -108,9 +115,12 @@ def summarise(path: str, out: str) -> None:
         return float(value.replace(",", "")) * scale.get(unit, 1.0)
 
     main = [max(c, key=duration_us) | {"kernels_in_call": len(c)} for c in calls]
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-              "triton": triton.__version__, "date": dt.date.today().isoformat(), "shape": "batch 8, context 32k, 32/8 heads, dim 128",
-              "kernels": {name: m for (name, *_), m in zip(CONFIGS, main)}}
+    run = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+           "triton": triton.__version__, "date": dt.date.today().isoformat()}
+    if run_from:
+        run = {k: json.loads(Path(run_from).read_text())[k] for k in run}
+    result = run | {"shape": "batch 8, context 32k, 32/8 heads, dim 128", "ncu": "--clock-control none",
+                    "kernels": {name: m for (name, *_), m in zip(CONFIGS, main)}}
     Path(out).write_text(json.dumps(result, indent=1))
     for name, m in result["kernels"].items():
         print(name, json.dumps(m))
@@ -120,11 +130,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--summarise", help="ncu --csv --page details output to summarise")
     ap.add_argument("--out", default=str(ROOT / "results" / "decode_attention_ncu.json"))
+    ap.add_argument("--run-from", help="take device, versions and date from this summary JSON (written on the GPU)")
     ap.add_argument("--metrics", action="store_true", help="print the stall metrics for ncu's --metrics")
     args = ap.parse_args()
     if args.metrics:
         print(",".join(f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS))
     elif args.summarise:
-        summarise(args.summarise, args.out)
+        summarise(args.summarise, args.out, args.run_from)
     else:
         run()
