@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# (name, codec, key bits, value bits, launch arguments beyond the defaults)
+# (name, codec, key bits, value bits, launch arguments beyond the defaults); one call = 8 * 8 * 32768 keys and KV heads
 CONFIGS = [
     ("sdpa_fp16", None, 16, 16, {}),
     ("mse_k4v4 defaults", "mse", 4, 4, {}),
@@ -48,6 +48,16 @@ STALLS = "smsp__average_warps_issue_stalled_"
 STALL_REASONS = ("long_scoreboard", "short_scoreboard", "barrier", "mio_throttle", "lg_throttle", "wait", "math_pipe_throttle",
                  "not_selected", "selected", "dispatch_stall", "no_instruction", "branch_resolving", "membar", "tex_throttle",
                  "drain", "sleeping", "imc_miss", "misc")
+
+
+# where the L1 pipe's work comes from: wavefronts of shared-memory stores and loads, their bank conflicts,
+# global loads through L1 (requests and sectors), ldmatrix instructions
+L1_METRICS = ("l1tex__data_pipe_lsu_wavefronts.sum", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+              "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+              "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+              "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum", "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+              "smsp__inst_executed_op_ldsm.sum", "smsp__inst_executed_op_shared_st.sum", "smsp__inst_executed_op_shared_ld.sum",
+              "smsp__inst_executed.sum", "sm__cycles_elapsed.avg")
 
 
 def run() -> None:
@@ -98,7 +108,7 @@ def summarise(path: str, out: str, run_from: str | None = None) -> None:
         if lid not in launches:
             launches[lid] = {"kernel": r["Kernel Name"][:100]}
             order.append(lid)
-        if r["Metric Name"] in KEEP or r["Metric Name"].startswith(STALLS):
+        if r["Metric Name"] in KEEP or r["Metric Name"] in L1_METRICS or r["Metric Name"].startswith(STALLS):
             launches[lid][r["Metric Name"]] = f"{r['Metric Value']} {r['Metric Unit']}".strip()
     # the calls, split at the spin_kernel launches; the main kernel of each is its longest
     calls, scale = [], {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
@@ -134,7 +144,7 @@ if __name__ == "__main__":
     ap.add_argument("--metrics", action="store_true", help="print the stall metrics for ncu's --metrics")
     args = ap.parse_args()
     if args.metrics:
-        print(",".join(f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS))
+        print(",".join([f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS] + list(L1_METRICS)))
     elif args.summarise:
         summarise(args.summarise, args.out, args.run_from)
     else:
