@@ -295,16 +295,20 @@ def _pairs_to_tile(words, BN: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexp
 
 @triton.jit
 def _load_words(cache_ptr, o_base, o_w, m_n, ALIGN4: tl.constexpr):
-    """uint32 words ``[BN, W]``: word ``o_w`` of the code starting at byte ``o_base`` of each row."""
+    """uint32 words ``[BN, W]``: word ``o_w`` of the code starting at byte ``o_base`` of each row (``ALIGN4``:
+    ``o_base`` a multiple of 4; else 2 more than one, as the value code of an MSE slot always is)."""
     # Offsets in words (halves), not bytes, so that the compiler sees a row's words as contiguous and
     # spreads a warp's lanes along the row (coalesced) rather than one lane per row.
     if ALIGN4:
         p = (cache_ptr + o_base).to(tl.pointer_type(tl.uint32))
         return tl.load(p[:, None] + o_w[None, :], mask=m_n[:, None], other=0)
-    p = (cache_ptr + o_base).to(tl.pointer_type(tl.uint16))[:, None] + 2 * o_w[None, :]  # 2-byte aligned: two halves per word
-    b_lo = tl.load(p, mask=m_n[:, None], other=0).to(tl.uint32)
-    b_hi = tl.load(p + 1, mask=m_n[:, None], other=0).to(tl.uint32)
-    return b_lo | (b_hi << 16)
+    # The code starts 2 bytes past a word boundary (a value code, after the key's fp16 norm): read the
+    # aligned words w and w + 1 around each code word, both as coalesced as the key's, and take the
+    # middle 32 bits. (Reading 2-byte halves instead makes the compiler put a warp's lanes on 32 keys.)
+    p = (cache_ptr + o_base - 2).to(tl.pointer_type(tl.uint32))[:, None] + o_w[None, :]
+    b_a = tl.load(p, mask=m_n[:, None], other=0)
+    b_b = tl.load(p + 1, mask=m_n[:, None], other=0)
+    return (b_a >> 16) | (b_b << 16)
 
 
 @triton.jit
@@ -1124,6 +1128,7 @@ def decode_attention(
         q_in = torch.matmul(q_in, rot_k).to(torch.float16)
         cent_k = _device_table(key_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
         cent_v = _device_table(value_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
+        assert layout.value_offset % 2 == 0, layout  # words of the value code: 4- or 2-byte aligned (_load_words)
         offsets = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
                        VALUE_NORM_OFFSET=layout.value_norm_offset, VALUE_ALIGN4=layout.value_offset % 4 == 0, GROUP=16)
     else:
