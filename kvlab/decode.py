@@ -66,8 +66,9 @@ How (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per s
       instead (``K q^T``, ``V^T P^T``): their rows are the ``BLOCK_N`` keys and the ``dim`` coordinates,
       64 or more, so that on Hopper they run as warpgroup MMAs; the score tile and the running output
       are then carried transposed.
-    * Bytes are read once, as 32-bit words (value codes start 2-byte aligned: two 16-bit loads per
-      word). The centroid lookup is a byte permute (``prmt``, inline PTX): the fp16 centroids are held
+    * Bytes are read as 32-bit words, a warp's lanes along each code (value codes start 2 bytes past
+      a word boundary: the two aligned words around each code word are read and the middle 32 bits
+      kept). The centroid lookup is a byte permute (``prmt``, inline PTX): the fp16 centroids are held
       as byte planes in registers (low bytes of the table in two registers, high bytes in two), one
       ``prmt`` looks up four 3-bit indices, two more interleave low and high bytes into fp16 pairs.
       4-bit: the codebook is symmetric, so the 3-bit magnitude ``(i ^ ~sign) & 7`` indexes 8 fp16
@@ -84,8 +85,9 @@ How (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per s
       shifts and gathers its centroid from the table instead: same tile order, same result up to fp16
       rounding. (The interpreter cannot run inline PTX; kvlab's tests give it an emulator of these few
       instructions, ``tests/ptx.py``, and run the lookup path on the CPU too.)
-    * Code words are addressed as 32-bit (or, for 2-byte aligned values, 16-bit) pointers plus a word
-      index, so the compiler sees each row's words as contiguous and a warp's lanes read along rows.
+    * Code words are addressed as 32-bit pointers plus a word index, so the compiler sees each row's
+      words as contiguous and a warp's lanes read along rows (2-byte halves of the value codes, read
+      before, put a warp's lanes on 32 keys, a sector each).
     * A step is a read (``_fetch_tile``: block-table entries, code words, norms) and the arithmetic on
       it (``_attend_mse``); ``prefetch=True`` issues step ``i + 1``'s read before step ``i``'s arithmetic.
 
@@ -297,7 +299,7 @@ def _pairs_to_tile(words, BN: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexp
 def _load_words(cache_ptr, o_base, o_w, m_n, ALIGN4: tl.constexpr):
     """uint32 words ``[BN, W]``: word ``o_w`` of the code starting at byte ``o_base`` of each row (``ALIGN4``:
     ``o_base`` a multiple of 4; else 2 more than one, as the value code of an MSE slot always is)."""
-    # Offsets in words (halves), not bytes, so that the compiler sees a row's words as contiguous and
+    # Offsets in words, not bytes, so that the compiler sees a row's words as contiguous and
     # spreads a warp's lanes along the row (coalesced) rather than one lane per row.
     if ALIGN4:
         p = (cache_ptr + o_base).to(tl.pointer_type(tl.uint32))
