@@ -968,8 +968,8 @@ def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: i
 
 # The launch of the split loop when the caller leaves it to the library: the fastest configuration of
 # ``benchmarks/bench_decode.py --sweep`` at batch 8, context 32k, 32 query and 8 KV heads, head dim 128,
-# on an H200 (results/decode_attention_sweep.csv), by cache kind and the wider of the key and value bit
-# widths. Centred 2- and 3-bit keys use the MSE entry. Other shapes and GPUs may prefer others: every
+# on an H200 (results/decode_attention_sweep.csv, timed before the value codes were read as aligned
+# words), by cache kind and the wider of the key and value bit widths. Centred 2- and 3-bit keys use the MSE entry. Other shapes and GPUs may prefer others: every
 # field is an argument of ``decode_attention``.
 LAUNCH_DEFAULTS = {
     ("mse", 4): dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True, fast=True),
