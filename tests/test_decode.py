@@ -462,3 +462,23 @@ def test_ptx_emulator():
     assert d[0] == 0x4B804200  # (1027 - 1024, 1039 - 1024) = (3.0, 15.0)
     with pytest.raises(NotImplementedError, match="add.u32"):
         ptx.run("add.u32 $0, $1, $1;", "=r,r", [a])
+
+
+def test_ncu_summary_reproduces_the_committed_counters(tmp_path):
+    """results/decode_attention_ncu.json is what benchmarks/ncu_decode.py makes of the committed ncu output
+    (page 10 reads the JSON): one kernel per configuration, the longest of each call."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    from benchmarks import ncu_decode
+
+    committed = root / "results" / "decode_attention_ncu.json"
+    out = tmp_path / "ncu.json"
+    ncu_decode.summarise(str(root / "results" / "decode_attention_ncu.csv.gz"), str(out), str(committed))
+    assert json.loads(out.read_text()) == json.loads(committed.read_text())
+    kernels = json.loads(out.read_text())["kernels"]
+    assert list(kernels) == [c[0] for c in ncu_decode.CONFIGS]
+    assert all(k["kernel"] == "_decode_split_kernel" for name, k in kernels.items() if name != "sdpa_fp16")
