@@ -3,7 +3,9 @@
 Each kernel is launched once at a benchmark-like shape (dim 128, 8 heads) with its default launch
 configuration and ``check=False`` (as the benchmarks time them) under the Triton interpreter, which
 records the launch: argument types, which pointers and integers are multiples of 16 (Triton
-specialises on that), the compile-time constants and ``num_warps``. The recorded launches are then compiled ahead of time for sm_90 with Triton's own
+specialises on that), the compile-time constants and the launch options (``num_warps``, and
+``num_stages`` where the launcher sets it, as the decode launch does). The recorded launches are then
+compiled ahead of time for sm_90 with Triton's own
 ``ptxas`` and disassembled with ``nvdisasm`` (both ship with the triton wheel), and the SASS is counted.
 
 Per kernel: registers per thread, shared memory per program, SASS instructions per program (a static
@@ -184,7 +186,7 @@ def _sass(launch: dict) -> tuple[str, str]:
             const[name] = value  # what the launchers pass when compiled
     fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["aligned"]}
-    options = {k: v for k, v in launch["options"].items() if k in ("num_warps", "maxnreg")}
+    options = {k: v for k, v in launch["options"].items() if k in ("num_warps", "num_stages", "maxnreg")}
     compiled = triton.compile(ASTSource(fn, launch["signature"], const, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     with tempfile.TemporaryDirectory() as tmp:
