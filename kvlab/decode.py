@@ -422,6 +422,16 @@ def _affine_tile_fast(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
+def _affine_tile_any(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     FAST: tl.constexpr):
+    """``_affine_tile_fast`` (``FAST``) or ``_affine_tile``."""
+    if FAST:
+        return _affine_tile_fast(cache_ptr, o_base, m_n, BN, D, BITS, GROUP)
+    else:
+        return _affine_tile(cache_ptr, o_base, m_n, BN, D, BITS, GROUP)
+
+
+@triton.jit
 def _load_norm(cache_ptr, o_at, m_n):
     """fp16 norm at byte ``o_at`` (2-byte aligned) of each row, as fp32 ``[BN]``; 0 where masked."""
     b = tl.load((cache_ptr + o_at).to(tl.pointer_type(tl.uint16)), mask=m_n, other=0)
@@ -577,16 +587,10 @@ def _attend_affine(
     (``FAST``: in fp16 pairs, ``_affine_tile_fast``)."""
     m_n, o_slot = _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
                                 BLOCK_SIZE)
-    if FAST:
-        b_k = _affine_tile_fast(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
-    else:
-        b_k = _affine_tile(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP)
+    b_k = _affine_tile_any(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP, FAST)
     b_s = tl.where(_per_key(m_n, KEYS_AS_ROWS), _scores(b_q, b_k, KEYS_AS_ROWS), float("-inf"))
     b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l, KEYS_AS_ROWS)
-    if FAST:
-        b_v = _affine_tile_fast(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
-    else:
-        b_v = _affine_tile(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP)
+    b_v = _affine_tile_any(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP, FAST)
     b_acc = _accumulate(b_acc, b_alpha, b_p, b_v, KEYS_AS_ROWS)
     return b_m, b_l, b_acc
 
@@ -665,13 +669,13 @@ def _decode_split_kernel(
                     b_m, b_l, b_acc = _attend_affine(
                         cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, start + it * BLOCK_N + o_nb, end, i_b, i_h,
                         stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
-                        KEYS_AS_ROWS, FAST)
+                    KEYS_AS_ROWS, FAST)
         else:
             for n0 in range(start, end, BLOCK_N):
                 b_m, b_l, b_acc = _attend_affine(
                     cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, n0 + o_nb, end, i_b, i_h,
                     stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
-                        KEYS_AS_ROWS, FAST)
+                    KEYS_AS_ROWS, FAST)
     else:
         # PREFETCH: software pipelining, the reads of step i + 1 are issued before the arithmetic of step i
         # (the loop carries them); without, every step reads its own (the loop carries nothing more).
@@ -969,8 +973,9 @@ def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: i
 # The launch of the split loop when the caller leaves it to the library: the fastest configuration of
 # ``benchmarks/bench_decode.py --sweep`` at batch 8, context 32k, 32 query and 8 KV heads, head dim 128,
 # on an H200 (results/decode_attention_sweep.csv, timed before the value codes were read as aligned
-# words), by cache kind and the wider of the key and value bit widths. Centred 2- and 3-bit keys use the MSE entry. Other shapes and GPUs may prefer others: every
-# field is an argument of ``decode_attention``.
+# words), by cache kind and the wider of the key and value bit widths. Centred 2- and 3-bit keys use
+# the MSE entry. Other shapes and GPUs may prefer others: every field is an argument of
+# ``decode_attention``.
 LAUNCH_DEFAULTS = {
     ("mse", 4): dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True, fast=True),
     ("mse", 3): dict(block_n=128, num_warps=4, num_stages=1, max_registers=168, keys_as_rows=True, fast=True),
