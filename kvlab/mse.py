@@ -333,7 +333,7 @@ def _encode_rows(
             else:
                 ws = ws + (tl.sum(tl.where((o_q == q)[:, None], piece_words[c], 0), axis=0),)
 
-    # the stored scale: norm / |c| (fp32 sqrt of the fp64 sum, IEEE division, as the reference), or the norm
+    # the stored scale: norm / |c| (fp64 sqrt of the fp64 sum rounded to fp32, IEEE division, as the reference), or the norm
     if NORM_CORRECTION:
         b_norm = tl.div_rn(b_norm, tl.sqrt(tl.sum(tl.sum(b_len, axis=2), axis=0)).to(tl.float32))
 
