@@ -87,11 +87,12 @@ def _record(out: str, only: set[str]) -> None:
 
     interp.InterpretedFunction.run = recording_run
 
-    def case(name, bits, call, nbytes=None, per_program=None, compiled=None):
+    def case(name, bits, call, nbytes=None, per_program=None, compiled=None, options=None):
         """Record the kernel launches of ``call()`` as ``name``: the bytes it must move (``nbytes``, or
         a function of its result), shared by its launches (the MSE store launches keys, then values);
         or, for a loop, the bytes of one step (``per_program``, one program counted). ``compiled``:
-        constants the compiled launch takes where the interpreter's differs (the fast decode path)."""
+        constants the compiled launch takes where the interpreter's differs (the fast decode path);
+        ``options``: launch options the launcher sets only when compiled (``maxnreg``)."""
         first = len(launches)
         result = call()
         mine = [r for r in launches[first:] if not r["kernel"].startswith("_merge")]  # decode: the split kernel only
@@ -100,6 +101,7 @@ def _record(out: str, only: set[str]) -> None:
         for r in mine:
             r.update(case=name, bits=bits)
             r["constants"].update(compiled or {})
+            r["options"].update(options or {})
             if per_program is not None:
                 r.update(bytes=per_program(r), programs=1)
             else:
@@ -129,9 +131,12 @@ def _record(out: str, only: set[str]) -> None:
                  2 * kv.numel() * 2 + rows * layout.slot_bytes)
             case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
                  rows * (layout.value_code_bytes + 2 * DIM))
+            # persistent: the loop over tiles is counted, one tile of BLOCK_ROWS rows a step; compiled,
+            # the centroids are prmt lookups (the interpreter gathers them)
             case("mse_load value, model space", bits,
                  lambda: kvlab.load_mse(cache, slots, vc, part="value", space="model", check=False),
-                 rows * (layout.value_code_bytes + 2 * DIM))
+                 per_program=lambda r: r["constants"]["BLOCK_ROWS"] * (layout.value_code_bytes + 2 * DIM),
+                 compiled={"FAST": True}, options=kvlab.mse.MODEL_OPTIONS)
     if "decode" in only:
         from kvlab.decode import decode_attention
 
@@ -181,7 +186,7 @@ def _sass(launch: dict) -> tuple[str, str]:
     from triton.compiler import ASTSource
 
     const = dict(launch["constants"])
-    for name, value in (("INTERPRETED", False), ("SPLIT_STEPS", None), ("BF16_BY_BITS", False)):
+    for name, value in (("INTERPRETED", False), ("SPLIT_STEPS", None), ("INTERPRETED_TILES", 0), ("BF16_BY_BITS", False)):
         if name in const:
             const[name] = value  # what the launchers pass when compiled
     fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
@@ -229,7 +234,7 @@ def _access_bytes(op: str) -> int:
 
 def profile(launch: dict) -> dict:
     sass, usage = _sass(launch)
-    loop = launch["kernel"] == "_decode_split_kernel"
+    loop = launch["kernel"] == "_decode_split_kernel" or launch["constants"].get("MODEL")
     ops = _opcodes(_loop_body(sass) if loop else sass.splitlines())
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(re.search(r"SHARED:(\d+)", usage).group(1))
@@ -256,7 +261,8 @@ def profile(launch: dict) -> dict:
         # with an instruction issued every clock
         instructions_per_byte=instr * warps / bytes_per_program,
         issue_ceiling_gbps=ISSUE_PER_CLOCK * SM_COUNT * CLOCK_GHZ / (instr * warps / bytes_per_program),
-        per="step of BLOCK_N keys" if loop else "program",
+        per=("step of BLOCK_N keys" if launch["kernel"] == "_decode_split_kernel" else "tile of BLOCK_ROWS rows") if loop
+        else "program",
         block_n=launch["constants"].get("BLOCK_N"),
     )
 

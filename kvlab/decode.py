@@ -112,7 +112,10 @@ from . import _checks as C
 from .affine import affine_code_bytes, pack_affine, unpack_affine
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .centered import load_centered_mse
-from .mse import _cached, load_mse  # per-codec device tables, rebuilt when the codec's tensors change
+from .mse import (  # per-codec device tables (rebuilt when the codec's tensors change), SMs, the MSE lookups
+    _cached, _interpreter_runs_ptx, _load_words, _mse_tile_fast, _mse_words, _pairs_to_tile, _prmt_tables, _sm_count,
+    load_mse, tile_order,
+)
 
 __all__ = [
     "AffineSlot",
@@ -161,90 +164,6 @@ class AffineSlot:
 
 # ----------------------------------------------------------------------------- lookups (inline PTX)
 
-# Each block: $0..$3 fp16 pairs of eight consecutive tile positions; inputs: the packed word, then
-# four table registers.
-_LOOKUP4 = tl.constexpr("""{
-.reg .b32 t, m, mh, s, sl, sh, l0, h0, l1, h1;
-shr.b32 t, $4, 3;
-and.b32 t, t, 0x11111111;
-mul.lo.u32 t, t, 7;
-xor.b32 m, $4, t;
-not.b32 m, m;
-and.b32 m, m, 0x77777777;
-shr.b32 mh, m, 16;
-prmt.b32 l0, $5, $6, m;
-prmt.b32 h0, $7, $8, m;
-prmt.b32 l1, $5, $6, mh;
-prmt.b32 h1, $7, $8, mh;
-shl.b32 s, $4, 4;
-prmt.b32 sl, s, $4, 0xD9C8;
-prmt.b32 sh, s, $4, 0xFBEA;
-not.b32 sl, sl;
-and.b32 sl, sl, 0x80808080;
-or.b32 h0, h0, sl;
-not.b32 sh, sh;
-and.b32 sh, sh, 0x80808080;
-or.b32 h1, h1, sh;
-prmt.b32 $0, l0, h0, 0x5140;
-prmt.b32 $1, l0, h0, 0x7362;
-prmt.b32 $2, l1, h1, 0x5140;
-prmt.b32 $3, l1, h1, 0x7362;
-}""")
-
-_LOOKUP3 = tl.constexpr("""{
-.reg .b32 a, b, x, xh, l0, h0, l1, h1;
-and.b32 a, $4, 0xFFF;
-shl.b32 b, $4, 4;
-and.b32 b, b, 0x0FFF0000;
-or.b32 x, a, b;
-and.b32 a, x, 0x003F003F;
-shl.b32 b, x, 2;
-and.b32 b, b, 0x3F003F00;
-or.b32 x, a, b;
-and.b32 a, x, 0x07070707;
-shl.b32 b, x, 1;
-and.b32 b, b, 0x70707070;
-or.b32 x, a, b;
-shr.b32 xh, x, 16;
-prmt.b32 l0, $5, $6, x;
-prmt.b32 h0, $7, $8, x;
-prmt.b32 l1, $5, $6, xh;
-prmt.b32 h1, $7, $8, xh;
-prmt.b32 $0, l0, h0, 0x5140;
-prmt.b32 $1, l0, h0, 0x7362;
-prmt.b32 $2, l1, h1, 0x5140;
-prmt.b32 $3, l1, h1, 0x7362;
-}""")
-
-# 2 bit: $0..$7 fp16 pairs of sixteen tile positions; inputs: the word, two table registers
-_LOOKUP2 = tl.constexpr("""{
-.reg .b32 x, y;
-and.b32 x, $8, 0x03030303;
-mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $0, $9, $10, y;
-shr.b32 y, y, 16;
-prmt.b32 $4, $9, $10, y;
-shr.b32 x, $8, 2;
-and.b32 x, x, 0x03030303;
-mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $1, $9, $10, y;
-shr.b32 y, y, 16;
-prmt.b32 $5, $9, $10, y;
-shr.b32 x, $8, 4;
-and.b32 x, x, 0x03030303;
-mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $2, $9, $10, y;
-shr.b32 y, y, 16;
-prmt.b32 $6, $9, $10, y;
-shr.b32 x, $8, 6;
-and.b32 x, x, 0x03030303;
-mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $3, $9, $10, y;
-shr.b32 y, y, 16;
-prmt.b32 $7, $9, $10, y;
-}""")
-
-
 # Affine: fp16 pairs n s + z of a code word, without a conversion instruction: 0x6400 | n is the fp16
 # 1024 + n (n < 1024 sits in the mantissa), so one subtraction gives n exactly and one fp16x2 multiply-add
 # n s + z. Inputs: the word, then s and z as fp16 pairs (the same value twice).
@@ -267,88 +186,6 @@ prmt.b32 a, $2, e, 0x4342;
 sub.rn.f16x2 a, a, m;
 fma.rn.f16x2 $1, a, $3, $4;
 }""")
-
-
-@triton.jit
-def _halves(x):
-    """int32 holding an fp16 pair -> (low fp16, high fp16)."""
-    return tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(tl.float16, tl.float16),
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _join_all(xs, LEVELS: tl.constexpr):
-    """Tuple of ``2**LEVELS`` same-shape tensors -> one tensor ``[..., 2, ..., 2]`` whose flattened
-    trailing axes index the tuple in order (join ``x_i`` with ``x_{i + n/2}`` at each level)."""
-    for _ in tl.static_range(LEVELS):
-        ys = ()
-        for i in tl.static_range(len(xs) // 2):
-            ys = ys + (tl.join(xs[i], xs[i + len(xs) // 2]),)
-        xs = ys
-    return xs[0]
-
-
-@triton.jit
-def _pairs_to_tile(words, BN: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexpr):
-    """Tuple of int32 ``[BN, W]`` fp16-pair words (in tile order) -> fp16 tile ``[BN, D]``."""
-    b_lo, b_hi = _halves(_join_all(words, LEVELS))
-    return tl.reshape(tl.join(b_lo, b_hi), [BN, D])
-
-
-@triton.jit
-def _load_words(cache_ptr, o_base, o_w, m_n, ALIGN4: tl.constexpr):
-    """uint32 words ``[BN, W]``: word ``o_w`` of the code starting at byte ``o_base`` of each row (``ALIGN4``:
-    ``o_base`` a multiple of 4; else 2 more than one, as the value code of an MSE slot always is)."""
-    # Offsets in words, not bytes, so that the compiler sees a row's words as contiguous and
-    # spreads a warp's lanes along the row (coalesced) rather than one lane per row.
-    if ALIGN4:
-        p = (cache_ptr + o_base).to(tl.pointer_type(tl.uint32))
-        return tl.load(p[:, None] + o_w[None, :], mask=m_n[:, None], other=0)
-    # The code starts 2 bytes past a word boundary (a value code, after the key's fp16 norm): read the
-    # aligned words w and w + 1 around each code word, both as coalesced as the key's, and take the
-    # middle 32 bits. (Reading 2-byte halves instead makes the compiler put a warp's lanes on 32 keys.)
-    p = (cache_ptr + o_base - 2).to(tl.pointer_type(tl.uint32))[:, None] + o_w[None, :]
-    b_a = tl.load(p, mask=m_n[:, None], other=0)
-    b_b = tl.load(p + 1, mask=m_n[:, None], other=0)
-    return (b_a >> 16) | (b_b << 16)
-
-
-@triton.jit
-def _mse_words(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ALIGN4: tl.constexpr):
-    """The code words of ``BN`` rows for ``_mse_tile_fast``: three uint32 tensors (4 and 2 bit: the words, then
-    two ``[BN, 1]`` placeholders; 3 bit: words ``3 t``, ``3 t + 1``, ``3 t + 2``, ``[BN, D / 32]`` each)."""
-    if BITS == 3:
-        o_t = tl.arange(0, D // 32)
-        return (_load_words(cache_ptr, o_base, 3 * o_t, m_n, ALIGN4), _load_words(cache_ptr, o_base, 3 * o_t + 1, m_n, ALIGN4),
-                _load_words(cache_ptr, o_base, 3 * o_t + 2, m_n, ALIGN4))
-    else:  # every branch returns: Triton also compiles a return that follows a compile-time branch
-        b_none = tl.zeros([BN, 1], dtype=tl.uint32)
-        return _load_words(cache_ptr, o_base, tl.arange(0, D * BITS // 32), m_n, ALIGN4), b_none, b_none
-
-
-@triton.jit
-def _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Centroid tile ``[BN, D]`` fp16 (tile order), by ``prmt``, from the words of ``_mse_words``."""
-    if BITS == 4:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            _LOOKUP4, "=r,=r,=r,=r,r,r,r,r,r", [b_w0, t0, t1, t2, t3],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-        return _pairs_to_tile((o0, o1, o2, o3), BN, D, 2)
-    elif BITS == 2:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _LOOKUP2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b_w0, t0, t1],
-            dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-        return _pairs_to_tile((o0, o1, o2, o3, o4, o5, o6, o7), BN, D, 3)
-    else:
-        # 3 bit: three words hold four 24-bit groups of 8 indices
-        groups = (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
-        words = ()
-        for g in tl.static_range(4):
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                _LOOKUP3, "=r,=r,=r,=r,r,r,r,r,r", [groups[g], t0, t1, t2, t3],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-            words = words + (o0, o1, o2, o3)
-        return _pairs_to_tile(words, BN, D, 4)
 
 
 @triton.jit
@@ -742,14 +579,6 @@ def _merge_splits_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def tile_order(bits: int, dim: int) -> torch.Tensor:
-    """int64 ``[dim]``: the coordinate held by each position of an MSE tile of ``bits``-bit codes."""
-    p = torch.arange(dim)
-    if bits == 2:
-        return (p // 16) * 16 + (p % 8) // 2 + 4 * (p % 2) + 8 * ((p % 16) // 8)
-    return p
-
-
 def _affine_tile_order(bits: int, dim: int) -> torch.Tensor:
     """int64 ``[dim]``: the coordinate held by each position of a ``_affine_tile_fast`` tile (4 bit:
     position ``2 j + h`` of each 8 holds coordinate ``j + 4 h``; 8 bit: natural)."""
@@ -759,46 +588,9 @@ def _affine_tile_order(bits: int, dim: int) -> torch.Tensor:
     return p
 
 
-def _signed32(v: int) -> int:
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def _byte_planes(c16: list[int]) -> tuple[int, int, int, int]:
-    """fp16 bit patterns of up to 8 entries -> (low bytes 0-3, low bytes 4-7, high bytes 0-3, high bytes 4-7)."""
-    c16 = c16 + [0] * (8 - len(c16))
-    lo = [v & 0xFF for v in c16]
-    hi = [v >> 8 for v in c16]
-    word = lambda b: _signed32(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)  # noqa: E731
-    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
-
-
-def _prmt_tables(codec):
-    """The four int32 table registers of the fast lookup, or None when the fp16 codebook does not fit it."""
-    def build(centroids):
-        c = centroids.detach().to("cpu", torch.float32).to(torch.float16)
-        bits16 = [int(v) & 0xFFFF for v in c.view(torch.int16)]
-        if codec.bits == 4:  # magnitudes c[8..15]; needs a symmetric codebook with positive upper half
-            if not (torch.equal(c, -c.flip(0)) and bool((c[8:] > 0).all())):
-                return None
-            return _byte_planes(bits16[8:])
-        if codec.bits == 3:
-            return _byte_planes(bits16)
-        return (_signed32(bits16[0] | bits16[1] << 16), _signed32(bits16[2] | bits16[3] << 16), 0, 0)
-
-    return _cached(codec, ("prmt",), codec.centroids, build)
-
-
 def _device_table(codec, name, device, build):
     source = getattr(codec, name)
     return _cached(codec, (name, device), source, lambda s: build(s).to(device))
-
-
-def _interpreter_runs_ptx() -> bool:
-    """Whether Triton's interpreter has been given a way to run inline PTX (kvlab's tests install an
-    emulator of the few instructions the fast path uses, ``tests/ptx.py``)."""
-    from triton.runtime import interpreter
-
-    return getattr(interpreter.InterpreterBuilder.create_inline_asm, "emulates_ptx", False)
 
 
 def _is_mse(codec) -> bool:
@@ -994,11 +786,6 @@ def launch_defaults(kind: str, bits: int) -> dict:
     if entry not in LAUNCH_DEFAULTS:
         raise ValueError(f"no launch defaults for a {kind!r} cache of {bits} bits; have {sorted(LAUNCH_DEFAULTS)}")
     return dict(LAUNCH_DEFAULTS[entry])
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter runs programs one by one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 @functools.lru_cache(maxsize=None)

@@ -87,6 +87,12 @@ MSE_BITS = (2, 3, 4)
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
 STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
 LOAD_TILE_ELEMENTS = 4096  # default BLOCK_ROWS * BLOCK_D of a load program (32 rows of 128)
+LOAD_NUM_WARPS = 2
+# model-space load: rows per tile (a tensor-core tile of y R^T), warps, persistent programs per SM, one
+# stage (the loop prefetches its next tile by hand; Triton's pipelining stages loads through shared
+# memory) and at most 128 registers a thread (4 programs an SM); the fastest on an H200
+MODEL_TILE_ROWS, MODEL_NUM_WARPS, MODEL_PROGRAMS_PER_SM = 64, 4, 4
+MODEL_OPTIONS = dict(num_stages=1, maxnreg=128)
 
 
 
@@ -420,47 +426,209 @@ def _store_mse_kernel(
                  D, C, LOG_D, PIECES, BLOCK_ROWS, BITS, INDEX_BYTES, HEAD, HADAMARD, NORM_CORRECTION, CHECK)
 
 
+# ----------------------------------------------------------------------------- lookups (inline PTX)
+
+# Each block: $0..$3 fp16 pairs of eight consecutive tile positions; inputs: the packed word, then
+# four table registers.
+_LOOKUP4 = tl.constexpr("""{
+.reg .b32 t, m, mh, s, sl, sh, l0, h0, l1, h1;
+shr.b32 t, $4, 3;
+and.b32 t, t, 0x11111111;
+mul.lo.u32 t, t, 7;
+xor.b32 m, $4, t;
+not.b32 m, m;
+and.b32 m, m, 0x77777777;
+shr.b32 mh, m, 16;
+prmt.b32 l0, $5, $6, m;
+prmt.b32 h0, $7, $8, m;
+prmt.b32 l1, $5, $6, mh;
+prmt.b32 h1, $7, $8, mh;
+shl.b32 s, $4, 4;
+prmt.b32 sl, s, $4, 0xD9C8;
+prmt.b32 sh, s, $4, 0xFBEA;
+not.b32 sl, sl;
+and.b32 sl, sl, 0x80808080;
+or.b32 h0, h0, sl;
+not.b32 sh, sh;
+and.b32 sh, sh, 0x80808080;
+or.b32 h1, h1, sh;
+prmt.b32 $0, l0, h0, 0x5140;
+prmt.b32 $1, l0, h0, 0x7362;
+prmt.b32 $2, l1, h1, 0x5140;
+prmt.b32 $3, l1, h1, 0x7362;
+}""")
+
+_LOOKUP3 = tl.constexpr("""{
+.reg .b32 a, b, x, xh, l0, h0, l1, h1;
+and.b32 a, $4, 0xFFF;
+shl.b32 b, $4, 4;
+and.b32 b, b, 0x0FFF0000;
+or.b32 x, a, b;
+and.b32 a, x, 0x003F003F;
+shl.b32 b, x, 2;
+and.b32 b, b, 0x3F003F00;
+or.b32 x, a, b;
+and.b32 a, x, 0x07070707;
+shl.b32 b, x, 1;
+and.b32 b, b, 0x70707070;
+or.b32 x, a, b;
+shr.b32 xh, x, 16;
+prmt.b32 l0, $5, $6, x;
+prmt.b32 h0, $7, $8, x;
+prmt.b32 l1, $5, $6, xh;
+prmt.b32 h1, $7, $8, xh;
+prmt.b32 $0, l0, h0, 0x5140;
+prmt.b32 $1, l0, h0, 0x7362;
+prmt.b32 $2, l1, h1, 0x5140;
+prmt.b32 $3, l1, h1, 0x7362;
+}""")
+
+# 2 bit: $0..$7 fp16 pairs of sixteen tile positions; inputs: the word, two table registers
+_LOOKUP2 = tl.constexpr("""{
+.reg .b32 x, y;
+and.b32 x, $8, 0x03030303;
+mad.lo.u32 y, x, 0x22, 0x10101010;
+prmt.b32 $0, $9, $10, y;
+shr.b32 y, y, 16;
+prmt.b32 $4, $9, $10, y;
+shr.b32 x, $8, 2;
+and.b32 x, x, 0x03030303;
+mad.lo.u32 y, x, 0x22, 0x10101010;
+prmt.b32 $1, $9, $10, y;
+shr.b32 y, y, 16;
+prmt.b32 $5, $9, $10, y;
+shr.b32 x, $8, 4;
+and.b32 x, x, 0x03030303;
+mad.lo.u32 y, x, 0x22, 0x10101010;
+prmt.b32 $2, $9, $10, y;
+shr.b32 y, y, 16;
+prmt.b32 $6, $9, $10, y;
+shr.b32 x, $8, 6;
+and.b32 x, x, 0x03030303;
+mad.lo.u32 y, x, 0x22, 0x10101010;
+prmt.b32 $3, $9, $10, y;
+shr.b32 y, y, 16;
+prmt.b32 $7, $9, $10, y;
+}""")
+
+
 @triton.jit
-def _load_mse_kernel(
-    # pointers
-    cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
-    slot_ptr,  # int32/int64 [num_tokens]
-    cent_ptr,  # fp32 [2**BITS]: centroids
-    rt_ptr,  # fp16 [8 BLOCK_G, 8 BLOCK_G]: R^T zero-padded (MODEL only)
-    out_ptr,  # [num_rows, D] out dtype; row = token * NUM_HEADS + head
-    # sizes and strides
-    num_rows,
-    num_slots,
-    stride_slot,
-    stride_block,
-    stride_pos,
-    stride_head,
-    # settings
-    D: tl.constexpr,
-    NUM_HEADS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # groups of 8 elements per row (power of two, 8 * BLOCK_G >= D)
-    BITS: tl.constexpr,
-    INDEX_BYTES: tl.constexpr,
-    OFFSET: tl.constexpr,  # byte of this part's code (key or value) in a slot
-    UNIT: tl.constexpr,  # bytes per load of the code (1, 2 or 4): every group starts UNIT-aligned
-    NORM_ALIGNED: tl.constexpr,  # every norm starts 2-byte aligned
-    BF16_BY_BITS: tl.constexpr,  # round fp32 -> bf16 with integer ops (interpreter only)
-    MODEL: tl.constexpr,  # rotate back to model space in the kernel: one fp16 product by R^T per tile
-):
-    # A thread decodes groups of 8 elements: BITS bytes of code in, 16 bytes of fp16 out.
-    i_p = tl.program_id(0).to(tl.int64)
-    o_r = i_p * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] int64 rows
+def _halves(x):
+    """int32 holding an fp16 pair -> (low fp16, high fp16)."""
+    return tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(tl.float16, tl.float16),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _join_all(xs, LEVELS: tl.constexpr):
+    """Tuple of ``2**LEVELS`` same-shape tensors -> one tensor ``[..., 2, ..., 2]`` whose flattened
+    trailing axes index the tuple in order (join ``x_i`` with ``x_{i + n/2}`` at each level)."""
+    for _ in tl.static_range(LEVELS):
+        ys = ()
+        for i in tl.static_range(len(xs) // 2):
+            ys = ys + (tl.join(xs[i], xs[i + len(xs) // 2]),)
+        xs = ys
+    return xs[0]
+
+
+@triton.jit
+def _pairs_to_tile(words, BN: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexpr):
+    """Tuple of int32 ``[BN, W]`` fp16-pair words (in tile order) -> fp16 tile ``[BN, D]``."""
+    b_lo, b_hi = _halves(_join_all(words, LEVELS))
+    return tl.reshape(tl.join(b_lo, b_hi), [BN, D])
+
+
+@triton.jit
+def _load_words(cache_ptr, o_base, o_w, m_n, ALIGN4: tl.constexpr):
+    """uint32 words ``[BN, W]``: word ``o_w`` of the code starting at byte ``o_base`` of each row (``ALIGN4``:
+    ``o_base`` a multiple of 4; else 2 more than one, as the value code of an MSE slot always is)."""
+    # Offsets in words, not bytes, so that the compiler sees a row's words as contiguous and
+    # spreads a warp's lanes along the row (coalesced) rather than one lane per row.
+    if ALIGN4:
+        p = (cache_ptr + o_base).to(tl.pointer_type(tl.uint32))
+        return tl.load(p[:, None] + o_w[None, :], mask=m_n[:, None], other=0)
+    # The code starts 2 bytes past a word boundary (a value code, after the key's fp16 norm): read the
+    # aligned words w and w + 1 around each code word, both as coalesced as the key's, and take the
+    # middle 32 bits. (Reading 2-byte halves instead makes the compiler put a warp's lanes on 32 keys.)
+    p = (cache_ptr + o_base - 2).to(tl.pointer_type(tl.uint32))[:, None] + o_w[None, :]
+    b_a = tl.load(p, mask=m_n[:, None], other=0)
+    b_b = tl.load(p + 1, mask=m_n[:, None], other=0)
+    return (b_a >> 16) | (b_b << 16)
+
+
+@triton.jit
+def _mse_words(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ALIGN4: tl.constexpr):
+    """The code words of ``BN`` rows for ``_mse_tile_fast``: three uint32 tensors (4 and 2 bit: the words, then
+    two ``[BN, 1]`` placeholders; 3 bit: words ``3 t``, ``3 t + 1``, ``3 t + 2``, ``[BN, D / 32]`` each)."""
+    if BITS == 3:
+        o_t = tl.arange(0, D // 32)
+        return (_load_words(cache_ptr, o_base, 3 * o_t, m_n, ALIGN4), _load_words(cache_ptr, o_base, 3 * o_t + 1, m_n, ALIGN4),
+                _load_words(cache_ptr, o_base, 3 * o_t + 2, m_n, ALIGN4))
+    else:  # every branch returns: Triton also compiles a return that follows a compile-time branch
+        b_none = tl.zeros([BN, 1], dtype=tl.uint32)
+        return _load_words(cache_ptr, o_base, tl.arange(0, D * BITS // 32), m_n, ALIGN4), b_none, b_none
+
+
+@triton.jit
+def _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Centroid tile ``[BN, D]`` fp16 (tile order), by ``prmt``, from the words of ``_mse_words``."""
+    if BITS == 4:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            _LOOKUP4, "=r,=r,=r,=r,r,r,r,r,r", [b_w0, t0, t1, t2, t3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        return _pairs_to_tile((o0, o1, o2, o3), BN, D, 2)
+    elif BITS == 2:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _LOOKUP2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b_w0, t0, t1],
+            dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        return _pairs_to_tile((o0, o1, o2, o3, o4, o5, o6, o7), BN, D, 3)
+    else:
+        # 3 bit: three words hold four 24-bit groups of 8 indices
+        groups = (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
+        words = ()
+        for g in tl.static_range(4):
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _LOOKUP3, "=r,=r,=r,=r,r,r,r,r,r", [groups[g], t0, t1, t2, t3],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            words = words + (o0, o1, o2, o3)
+        return _pairs_to_tile(words, BN, D, 4)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+@triton.jit
+def _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
+               NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, OFFSET: tl.constexpr):
+    """Rows ``o_r`` ([BR] int64, row = token * NUM_HEADS + head) -> (rows read from the cache, byte
+    offset of each row's code). Rows past the end, padding slots (-1) and slots out of range are
+    not read (they decode to 0)."""
     m_r = o_r < num_rows
     o_t, o_h = o_r // NUM_HEADS, o_r % NUM_HEADS
     b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
-    m_s = m_r & (b_slot >= 0) & (b_slot < num_slots)  # rows read from the cache; the others are 0
-    o_src = (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + OFFSET
+    m_s = m_r & (b_slot >= 0) & (b_slot < num_slots)
+    return m_s, (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + OFFSET
 
+
+@triton.jit
+def _row_scale(cache_ptr, o_src, m_s, INDEX_BYTES: tl.constexpr, NORM_ALIGNED: tl.constexpr):
+    """The stored fp16 scale of each row (little-endian, right after the indices), as fp32; 0 for rows not read."""
+    p_n = cache_ptr + o_src + INDEX_BYTES
+    if NORM_ALIGNED:
+        b_n = tl.load(p_n.to(tl.pointer_type(tl.uint16)), mask=m_s, other=0)
+    else:
+        b_n = tl.load(p_n, mask=m_s, other=0).to(tl.uint16) | (tl.load(p_n + 1, mask=m_s, other=0).to(tl.uint16) << 8)
+    return b_n.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _centroid_rows(cache_ptr, cent_ptr, o_src, m_s, D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BITS: tl.constexpr, INDEX_BYTES: tl.constexpr, UNIT: tl.constexpr):
+    """The centroids of rows' codes, ``[BR, BG, 8]`` fp32 (padding columns 0), index by index: shifts and a
+    gather from the table (``2**BITS`` floats, one cache line)."""
+    # A thread decodes groups of 8 elements: BITS bytes of code in, 8 centroids out.
     o_g = tl.arange(0, BLOCK_G)
     o_k = tl.arange(0, 8)
-
     # the word of group g: code bytes [BITS g, BITS g + BITS), little-endian, loaded UNIT bytes at
     # a time, one load per unit. The addresses are laid out [BG, BR], groups first, so that the
     # compiler puts consecutive groups of a row on consecutive lanes (coalesced, like the output).
@@ -476,34 +644,159 @@ def _load_mse_kernel(
             b_u = tl.load(p_g + j, mask=m_g & (o_g * BITS + j < INDEX_BYTES)[:, None], other=0).to(tl.uint32)
         b_word = b_word | (b_u << (8 * UNIT * j))
     b_idx = (b_word[:, :, None] >> (o_k * BITS).to(tl.uint32)[None, None, :]) & ((1 << BITS) - 1)  # [BG, BR, 8]
-
-    b_c = tl.load(cent_ptr + b_idx)  # [BG, BR, 8] fp32, gathered from a table of 2**BITS (one cache line)
+    b_c = tl.load(cent_ptr + b_idx)  # [BG, BR, 8]
     if 8 * BLOCK_G != D:
         b_c = tl.where((o_g[:, None] * 8 + o_k[None, :] < D)[:, None, :], b_c, 0.0)
+    return tl.permute(b_c, (1, 0, 2))
 
-    # the fp16 norm, little-endian, right after the indices
-    if NORM_ALIGNED:
-        b_n = tl.load((cache_ptr + o_src + INDEX_BYTES).to(tl.pointer_type(tl.uint16)), mask=m_s, other=0)
-    else:
-        p_n = cache_ptr + o_src + INDEX_BYTES
-        b_n = tl.load(p_n, mask=m_s, other=0).to(tl.uint16) | (tl.load(p_n + 1, mask=m_s, other=0).to(tl.uint16) << 8)
-    b_scale = b_n.to(tl.float16, bitcast=True).to(tl.float32)  # [BR]; 0 for rows not read (norm correction included)
-    b_out = tl.permute(b_c * b_scale[None, :, None], (1, 0, 2))  # [BR, BG, 8]; rows not read: 0
-    o_d = tl.arange(0, 8 * BLOCK_G)
-    if MODEL:  # y R^T on the tensor cores: fp16 operands (|y| is the norm, within fp16 rounding), fp32 accumulation
-        b_y = tl.reshape(b_out, [BLOCK_ROWS, 8 * BLOCK_G]).to(tl.float16)
+
+@triton.jit
+def _load_mse_kernel(
+    # pointers
+    cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
+    slot_ptr,  # int32/int64 [num_tokens]
+    cent_ptr,  # fp32 [2**BITS]: centroids
+    rt_ptr,  # fp16 [8 BLOCK_G, 8 BLOCK_G]: R^T zero-padded, its rows in tile order (MODEL only)
+    out_ptr,  # [num_rows, D] out dtype; row = token * NUM_HEADS + head
+    t0, t1, t2, t3,  # FAST: the int32 table registers of the prmt lookup (``_prmt_tables``)
+    # sizes and strides
+    num_rows,
+    num_slots,
+    stride_slot,
+    stride_block,
+    stride_pos,
+    stride_head,
+    num_programs,  # MODEL: the launch's programs; program p decodes tiles p, p + num_programs, ...
+    # settings
+    D: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # groups of 8 elements per row (power of two, 8 * BLOCK_G >= D)
+    BITS: tl.constexpr,
+    INDEX_BYTES: tl.constexpr,
+    OFFSET: tl.constexpr,  # byte of this part's code (key or value) in a slot
+    UNIT: tl.constexpr,  # bytes per load of the code (1, 2 or 4): every group starts UNIT-aligned
+    NORM_ALIGNED: tl.constexpr,  # every norm starts 2-byte aligned
+    BF16_BY_BITS: tl.constexpr,  # round fp32 -> bf16 with integer ops (interpreter only)
+    MODEL: tl.constexpr,  # rotate back to model space in the kernel: one fp16 product by R^T per tile
+    FAST: tl.constexpr,  # MODEL: centroids by prmt lookups of 32-bit code words (D = 8 BLOCK_G, a multiple of 32)
+    ALIGN4: tl.constexpr,  # FAST: every code starts 4-byte aligned (else 2 bytes past a word boundary)
+    INTERPRETED_TILES: tl.constexpr,  # MODEL, interpreter only: cdiv(tiles, num_programs); 0 when compiled
+):
+    i_p = tl.program_id(0)
+    if MODEL:
+        # persistent: R^T (up to 32 KB of fp16) is loaded once per program, which then loops over
+        # the tiles i_p, i_p + num_programs, ... (tiles past the rows are all masked). FAST: the code
+        # words and scales of the next tile are read before the current one is computed (software
+        # pipelining by hand: Triton's own, num_stages > 1, stages the loads through shared memory).
+        o_d = tl.arange(0, 8 * BLOCK_G)
         b_rt = tl.load(rt_ptr + o_d[:, None] * (8 * BLOCK_G) + o_d[None, :])  # [8 BG, 8 BG]
-        b_out = tl.reshape(tl.dot(b_y, b_rt), [BLOCK_ROWS, BLOCK_G, 8])
+        # (the interpreter needs a trip count it can read: INTERPRETED_TILES steps, the same tiles)
+        if FAST:
+            b_w0, b_w1, b_w2, b_s = _fetch_words(cache_ptr, slot_ptr, i_p, num_rows, num_slots, stride_slot, stride_block,
+                                                 stride_pos, stride_head, D, NUM_HEADS, BLOCK_SIZE, BLOCK_ROWS, BITS,
+                                                 INDEX_BYTES, OFFSET, NORM_ALIGNED, ALIGN4)
+            if INTERPRETED_TILES:
+                for i in range(0, INTERPRETED_TILES):
+                    b_w0, b_w1, b_w2, b_s = _model_step_fast(
+                        cache_ptr, slot_ptr, b_rt, out_ptr, t0, t1, t2, t3, b_w0, b_w1, b_w2, b_s, i_p + i * num_programs,
+                        num_programs, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head, D,
+                        NUM_HEADS, BLOCK_SIZE, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, NORM_ALIGNED, ALIGN4,
+                        BF16_BY_BITS)
+            else:
+                for i_t in range(i_p, tl.cdiv(num_rows, BLOCK_ROWS), num_programs):
+                    b_w0, b_w1, b_w2, b_s = _model_step_fast(
+                        cache_ptr, slot_ptr, b_rt, out_ptr, t0, t1, t2, t3, b_w0, b_w1, b_w2, b_s, i_t,
+                        num_programs, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head, D,
+                        NUM_HEADS, BLOCK_SIZE, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, NORM_ALIGNED, ALIGN4,
+                        BF16_BY_BITS)
+        else:
+            if INTERPRETED_TILES:
+                for i in range(0, INTERPRETED_TILES):
+                    _model_step(cache_ptr, slot_ptr, cent_ptr, b_rt, out_ptr, i_p + i * num_programs, num_rows,
+                                num_slots, stride_slot, stride_block, stride_pos, stride_head, D, NUM_HEADS, BLOCK_SIZE,
+                                BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, UNIT, NORM_ALIGNED, BF16_BY_BITS)
+            else:
+                for i_t in range(i_p, tl.cdiv(num_rows, BLOCK_ROWS), num_programs):
+                    _model_step(cache_ptr, slot_ptr, cent_ptr, b_rt, out_ptr, i_t, num_rows,
+                                num_slots, stride_slot, stride_block, stride_pos, stride_head, D, NUM_HEADS, BLOCK_SIZE,
+                                BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, UNIT, NORM_ALIGNED, BF16_BY_BITS)
+    else:
+        o_r = i_p.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] int64 rows
+        m_s, o_src = _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
+                                NUM_HEADS, BLOCK_SIZE, OFFSET)
+        b_c = _centroid_rows(cache_ptr, cent_ptr, o_src, m_s, D, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, UNIT)
+        b_y = b_c * _row_scale(cache_ptr, o_src, m_s, INDEX_BYTES, NORM_ALIGNED)[:, None, None]  # rows not read: 0
+        _store_rows(out_ptr, tl.reshape(b_y, [BLOCK_ROWS, 8 * BLOCK_G]), o_r, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
 
+
+@triton.jit
+def _fetch_words(cache_ptr, slot_ptr, i_t, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
+                 D: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 BITS: tl.constexpr, INDEX_BYTES: tl.constexpr, OFFSET: tl.constexpr, NORM_ALIGNED: tl.constexpr,
+                 ALIGN4: tl.constexpr):
+    """The code words (``_mse_words``) and fp32 scales of tile ``i_t``'s rows (0 for rows not read)."""
+    o_r = i_t.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    m_s, o_src = _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
+                            NUM_HEADS, BLOCK_SIZE, OFFSET)
+    b_w0, b_w1, b_w2 = _mse_words(cache_ptr, o_src, m_s, BLOCK_ROWS, D, BITS, ALIGN4)
+    return b_w0, b_w1, b_w2, _row_scale(cache_ptr, o_src, m_s, INDEX_BYTES, NORM_ALIGNED)
+
+
+@triton.jit
+def _model_step_fast(cache_ptr, slot_ptr, b_rt, out_ptr, t0, t1, t2, t3, b_w0, b_w1, b_w2, b_s, i_t, num_programs,
+                     num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head, D: tl.constexpr,
+                     NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BITS: tl.constexpr, INDEX_BYTES: tl.constexpr, OFFSET: tl.constexpr, NORM_ALIGNED: tl.constexpr,
+                     ALIGN4: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    """Tile ``i_t`` from its prefetched words and scales; returns those of tile ``i_t + num_programs``,
+    read before this tile's arithmetic."""
+    n_w0, n_w1, n_w2, n_s = _fetch_words(cache_ptr, slot_ptr, i_t + num_programs, num_rows, num_slots, stride_slot,
+                                         stride_block, stride_pos, stride_head, D, NUM_HEADS, BLOCK_SIZE, BLOCK_ROWS,
+                                         BITS, INDEX_BYTES, OFFSET, NORM_ALIGNED, ALIGN4)
+    b_c = _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BLOCK_ROWS, D, BITS)  # [BR, D] fp16, tile order
+    _model_rows(out_ptr, b_c, b_rt, b_s, i_t, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
+    return n_w0, n_w1, n_w2, n_s
+
+
+@triton.jit
+def _model_step(cache_ptr, slot_ptr, cent_ptr, b_rt, out_ptr, i_t, num_rows, num_slots, stride_slot, stride_block,
+                stride_pos, stride_head, D: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BITS: tl.constexpr, INDEX_BYTES: tl.constexpr,
+                OFFSET: tl.constexpr, UNIT: tl.constexpr, NORM_ALIGNED: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    """Tile ``i_t``, index by index (``_centroid_rows``)."""
+    o_r = i_t.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    m_s, o_src = _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
+                            NUM_HEADS, BLOCK_SIZE, OFFSET)
+    b_c = _centroid_rows(cache_ptr, cent_ptr, o_src, m_s, D, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, UNIT)
+    b_s = _row_scale(cache_ptr, o_src, m_s, INDEX_BYTES, NORM_ALIGNED)
+    _model_rows(out_ptr, tl.reshape(b_c, [BLOCK_ROWS, 8 * BLOCK_G]).to(tl.float16), b_rt, b_s, i_t, num_rows, D,
+                BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
+
+
+@triton.jit
+def _model_rows(out_ptr, b_c, b_rt, b_s, i_t, num_rows, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                BLOCK_G: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    """Tile ``i_t`` in model space: ``(c R^T) s``, the fp16 centroid tile ``c`` times ``R^T`` (``b_rt``)
+    on the tensor cores (fp32 accumulation), then each row times its fp32 scale ``s`` (rows not read: 0)."""
+    o_r = i_t.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    _store_rows(out_ptr, tl.dot(b_c, b_rt) * b_s[:, None], o_r, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
+
+
+@triton.jit
+def _store_rows(out_ptr, b_out, o_r, num_rows, D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
+                BF16_BY_BITS: tl.constexpr):
+    """Write ``b_out [BR, 8 BG]`` (fp32) to the rows ``o_r`` of ``out`` in its dtype: 16-byte vector stores."""
     if BF16_BY_BITS:
         # round to nearest even by hand: Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU
         # conversion already rounds to nearest even); finite values only
         b_bits = b_out.to(tl.uint32, bitcast=True)
         b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16
         b_out = b_bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    p_out = out_ptr + o_r[:, None] * D + o_d[None, :]  # [BR, 8 BG]: 16-byte vector stores
-    b_out = tl.reshape(b_out.to(out_ptr.dtype.element_ty), [BLOCK_ROWS, 8 * BLOCK_G])
-    tl.store(p_out, b_out, mask=m_r[:, None] & (o_d < D)[None, :])
+    o_d = tl.arange(0, 8 * BLOCK_G)
+    p_out = out_ptr + o_r[:, None] * D + o_d[None, :]
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=(o_r < num_rows)[:, None] & (o_d < D)[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -532,15 +825,18 @@ def _rotation(codec, device):
                    lambda r: r.to(device=device, dtype=torch.float32).contiguous())
 
 
-def _rotation_t16(codec, device):
-    """``R^T`` in fp16, zero-padded to the load tile's width (``8 * _block_g(dim)``), on ``device``."""
+def _rotation_t16(codec, device, order: bool = False):
+    """``R^T`` in fp16, zero-padded to the load tile's width (``8 * _block_g(dim)``), on ``device``;
+    ``order``: its rows in the tile order of the prmt lookup (``tile_order``), as the fast tile holds them."""
     def build(r):
         width = 8 * _block_g(codec.dim)
         rt = torch.zeros(width, width, dtype=torch.float16)
         rt[: codec.dim, : codec.dim] = r.detach().to("cpu", torch.float32).T.to(torch.float16)
+        if order:
+            rt = rt[tile_order(codec.bits, width)]
         return rt.to(device).contiguous()
 
-    return _cached(codec, ("rotation_t16", device), codec.rotation, build)
+    return _cached(codec, ("rotation_t16", device, order), codec.rotation, build)
 
 
 def _centroids(codec, device):
@@ -606,6 +902,20 @@ def _alignment(cache, offset: int) -> int:
     return 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
 
 
+def _model_options() -> dict:
+    """Launch options of the model-space load (``maxnreg`` only when compiled)."""
+    return {k: v for k, v in MODEL_OPTIONS.items() if k != "maxnreg" or not _interpreted()}
+
+
+def _word_phase(cache, offset: int) -> int | None:
+    """Bytes past a 4-byte boundary at which every slot's byte ``offset`` in ``cache`` sits (0 or 2), or
+    None when that varies between slots or is odd."""
+    if any(s % 4 for s in cache.stride()[:3]):
+        return None
+    phase = (cache.data_ptr() + offset) % 4
+    return phase if phase in (0, 2) else None
+
+
 def _store_head(cache, offset: int, code_bytes: int) -> int:
     """Bytes from every code of this part to its first 4-byte aligned address.
 
@@ -656,6 +966,56 @@ def _block_g(dim: int) -> int:
 
 def _default_block_rows(dim: int) -> int:
     return max(1, min(256, LOAD_TILE_ELEMENTS // (GROUP * _block_g(dim))))
+
+
+def tile_order(bits: int, dim: int) -> torch.Tensor:
+    """int64 ``[dim]``: the coordinate held by each position of an MSE tile of ``bits``-bit codes."""
+    p = torch.arange(dim)
+    if bits == 2:
+        return (p // 16) * 16 + (p % 8) // 2 + 4 * (p % 2) + 8 * ((p % 16) // 8)
+    return p
+
+
+def _signed32(v: int) -> int:
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _byte_planes(c16: list[int]) -> tuple[int, int, int, int]:
+    """fp16 bit patterns of up to 8 entries -> (low bytes 0-3, low bytes 4-7, high bytes 0-3, high bytes 4-7)."""
+    c16 = c16 + [0] * (8 - len(c16))
+    lo = [v & 0xFF for v in c16]
+    hi = [v >> 8 for v in c16]
+    word = lambda b: _signed32(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)  # noqa: E731
+    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+def _prmt_tables(codec):
+    """The four int32 table registers of the fast lookup, or None when the fp16 codebook does not fit it."""
+    def build(centroids):
+        c = centroids.detach().to("cpu", torch.float32).to(torch.float16)
+        bits16 = [int(v) & 0xFFFF for v in c.view(torch.int16)]
+        if codec.bits == 4:  # magnitudes c[8..15]; needs a symmetric codebook with positive upper half
+            if not (torch.equal(c, -c.flip(0)) and bool((c[8:] > 0).all())):
+                return None
+            return _byte_planes(bits16[8:])
+        if codec.bits == 3:
+            return _byte_planes(bits16)
+        return (_signed32(bits16[0] | bits16[1] << 16), _signed32(bits16[2] | bits16[3] << 16), 0, 0)
+
+    return _cached(codec, ("prmt",), codec.centroids, build)
+
+
+def _interpreter_runs_ptx() -> bool:
+    """Whether Triton's interpreter has been given a way to run inline PTX (kvlab's tests install an
+    emulator of the few instructions the fast path uses, ``tests/ptx.py``)."""
+    from triton.runtime import interpreter
+
+    return getattr(interpreter.InterpreterBuilder.create_inline_asm, "emulates_ptx", False)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter runs programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _interpreted() -> bool:
@@ -815,7 +1175,8 @@ def load_mse(
     *,
     check: bool = True,
     block_rows: int | None = None,
-    num_warps: int = 2,
+    num_warps: int | None = None,
+    fast: bool | None = None,
 ) -> torch.Tensor:
     """Decode the ``part`` ("key" or "value") codes of ``slot_mapping``'s slots: ``[num_tokens, num_heads, dim]``.
 
@@ -826,8 +1187,12 @@ def load_mse(
     ``-1`` (or, with ``check=False``, out of range) come out as zeros. The other part's bit width is
     inferred from the cache's ``slot_bytes``. ``check=True`` (default) checks the slot range with
     one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 4096
-    elements per tile, 32 rows of 128) and ``num_warps`` tune the launch (the defaults were the
-    fastest on an H200, ``benchmarks/bench_codecs.py --sweep mse_load``).
+    elements per tile, 32 rows of 128; in model space 64 rows) and ``num_warps`` tune the launch
+    (the defaults were the fastest on an H200, ``benchmarks/bench_codecs.py --sweep mse_load``).
+    ``fast`` (model space in the kernel only): look the centroids up with byte permutes of 32-bit
+    code words (inline PTX, as the decode kernel does) instead of shifting out and gathering each
+    index; ``None`` (default) does when it can: on a GPU, dims of 32, 64 or 128, a symmetric
+    4-bit codebook, codes that all start 4-byte aligned or all 2 bytes past a word boundary.
     """
     _check_codec("codec", codec)
     C.check_choice("part", part, ("key", "value"))
@@ -845,26 +1210,42 @@ def load_mse(
         raise ValueError(f"slot_mapping must be 1-D [num_tokens], got shape {tuple(slot_mapping.shape)}")
     num_tokens = slot_mapping.shape[0]
     C.check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, cache.device, values=check)
-    block_rows = _default_block_rows(codec.dim) if block_rows is None else block_rows
+    # model space: fused (an fp16 product in the kernel) for 16-bit outputs; an exact fp32 GEMM for fp32
+    # (tiles of 16 to 128 columns: R^T, at most 32 KB in fp16, is loaded once by every program)
+    fused = space == "model" and out_dtype != torch.float32 and 16 <= 8 * _block_g(codec.dim) <= 128
+    if block_rows is None:
+        block_rows = MODEL_TILE_ROWS if fused else _default_block_rows(codec.dim)
+    if num_warps is None:
+        num_warps = MODEL_NUM_WARPS if fused else LOAD_NUM_WARPS
     _check_tiling(block_rows, num_warps)
+    if fused and block_rows < 16:
+        raise ValueError(f"block_rows must be >= 16 for space='model' with a 16-bit out_dtype (a tensor-core tile), got {block_rows}")
 
     device, dim, num_rows = cache.device, codec.dim, num_tokens * num_heads
     rot, cent = _rotation(codec, device), _centroids(codec, device)
     align = _alignment(cache, offset)
-    # model space: fused (an fp16 product in the kernel) for 16-bit outputs; an exact fp32 GEMM for fp32
-    # (tiles of 16 to 128 columns: R^T, at most 32 KB in fp16, is loaded by every program)
-    fused = space == "model" and out_dtype != torch.float32 and 16 <= 8 * _block_g(dim) <= 128
-    if fused and block_rows < 16:
-        raise ValueError(f"block_rows must be >= 16 for space='model' with a 16-bit out_dtype (a tensor-core tile), got {block_rows}")
-    rt = _rotation_t16(codec, device) if fused else cent  # cent: a placeholder, never read
+    phase = _word_phase(cache, offset)
+    tables = _prmt_tables(codec) if fused and dim in (32, 64, 128) and phase is not None else None
+    can_fast = tables is not None and (not _interpreted() or _interpreter_runs_ptx())
+    if fast is None:
+        fast = can_fast
+    elif not isinstance(fast, bool):
+        raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
+    elif fast and not can_fast:
+        raise ValueError("fast=True needs space='model' with a 16-bit out_dtype, dim 32, 64 or 128, a symmetric "
+                         "4-bit codebook, 2- or 4-byte aligned codes and a CUDA device (inline PTX)")
+    rt = _rotation_t16(codec, device, order=fast) if fused else cent  # cent: a placeholder, never read
     out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" or fused else torch.float32, device=device)
     if num_rows:
-        grid = (triton.cdiv(num_rows, block_rows),)
+        tiles = triton.cdiv(num_rows, block_rows)
+        # fused: persistent programs, a few per SM, each loading R^T once
+        grid = (min(tiles, MODEL_PROGRAMS_PER_SM * _sm_count(device)) if fused else tiles,)
         with _on(device):
             _load_mse_kernel[grid](
-                cache, slot_mapping, cent, rt, out,
+                cache, slot_mapping, cent, rt, out, *(tables if fast else (0, 0, 0, 0)),
                 num_rows, num_blocks * block_size,
                 slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
+                grid[0],
                 D=dim,
                 NUM_HEADS=num_heads,
                 BLOCK_SIZE=block_size,
@@ -877,7 +1258,11 @@ def load_mse(
                 NORM_ALIGNED=align % 2 == 0 and index_bytes % 2 == 0,
                 BF16_BY_BITS=out.dtype == torch.bfloat16 and _interpreted(),
                 MODEL=fused,
+                FAST=fast,
+                ALIGN4=phase == 0,
+                INTERPRETED_TILES=triton.cdiv(tiles, grid[0]) if fused and _interpreted() else 0,
                 num_warps=num_warps,
+                **(_model_options() if fused else {}),
             )
     if space == "model" and not fused:
         out = (out @ rot.T).to(out_dtype)  # the reference's inverse rotation, one GEMM for all rows

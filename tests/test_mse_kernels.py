@@ -190,19 +190,62 @@ def test_load_matches_reference_decode(case, space, device):
         assert torch.equal(out[~keep.view(-1)], torch.zeros_like(out[~keep.view(-1)]))
 
 
+def _fast_possible(cache, codec, part, layout) -> bool:
+    """Whether the model-space load can take the prmt lookup (``fast=True``) for this cache and part."""
+    offset = 0 if part == "key" else layout.value_offset
+    return (codec.dim in (32, 64, 128) and kvlab.mse._prmt_tables(codec) is not None
+            and kvlab.mse._word_phase(cache, offset) is not None)
+
+
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES[::2], ids=IDS[::2])
-def test_model_space_load_is_within_output_rounding(case, out_dtype, device):
+def test_model_space_load_is_within_output_rounding(case, out_dtype, fast, device):
     """16-bit model-space loads rotate back in the kernel (an fp16 product by R^T): their error against the
-    reference stays within a small multiple of rounding the exact result to the output dtype."""
+    reference stays within a small multiple of rounding the exact result to the output dtype, with the
+    centroids gathered index by index or looked up by byte permutes (``fast``; where the cache or the
+    codebook rules that out, ``fast=True`` is refused)."""
     key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.read_slots(ref, slots, layout)):
+        if fast and not _fast_possible(ref, codec, part, layout):
+            with pytest.raises(ValueError, match="fast=True needs"):
+                load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, fast=True)
+            continue
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
-        out = load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, block_rows=LOAD_ROWS)
+        out = load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, block_rows=LOAD_ROWS, fast=fast)
         assert out.dtype == out_dtype
         rounding = rel_err(exact.to(out_dtype), exact)
         assert rel_err(out, exact) <= 3 * rounding + 1e-6, (rel_err(out, exact), rounding)
+        assert torch.equal(out[~keep.view(-1)], torch.zeros_like(out[~keep.view(-1)]))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_model_space_load_loops_over_tiles(bits, fast, device):
+    """The model-space load is persistent: each program loops over every num_programs-th tile (and, fast,
+    prefetches the next one). More tiles than programs, the last one partly past the rows, a value code
+    2 bytes past a word boundary: every row comes out as the reference decodes it."""
+    dim, heads, block_size, block_rows = 64, 3, 16, 16
+    programs = kvlab.mse.MODEL_PROGRAMS_PER_SM * kvlab.mse._sm_count(torch.device(device))
+    tokens = 2 * programs * block_rows // heads + 51  # three tiles or more a program, the last tile partial
+    kc, vc = codecs(dim, bits, bits, "hadamard")
+    layout = kvlab.MSESlot(dim, bits, bits)
+    g = torch.Generator().manual_seed(bits)
+    key, value = (torch.randn(tokens, heads, dim, generator=g).half() for _ in range(2))
+    cache = torch.zeros(tokens // block_size + 2, block_size, heads, layout.slot_bytes, dtype=torch.uint8)
+    slots = torch.randperm(cache.shape[0] * block_size, generator=g)[:tokens]
+    slots[7] = -1
+    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
+    store_mse(key, value, slots, cache, kc, vc)
+    assert kvlab.mse._word_phase(cache, layout.value_offset) == 2
+    keep = (slots >= 0).view(-1, 1, 1)
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.read_slots(cache, slots, layout)):
+        exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
+        out = load_mse(cache, slots, codec, part=part, space="model", block_rows=block_rows, fast=fast)
+        rounding = rel_err(exact.half(), exact)
+        assert rel_err(out, exact) <= 3 * rounding + 1e-6
+        assert torch.equal(out[7], torch.zeros_like(out[7]))
 
 
 @pytest.mark.parametrize("case", CASES[1::3], ids=IDS[1::3])
@@ -458,6 +501,10 @@ BAD = [
     ("load num_warps", lambda: _load(num_warps=3), ValueError, "num_warps"),
     ("store piece", lambda: _store(piece=8), ValueError, r"piece must be one of \(16, 32, 64, 128\)"),
     ("load model-space tile", lambda: _load(space="model", block_rows=8), ValueError, "block_rows must be >= 16"),
+    ("load fast type", lambda: _load(space="model", fast=1), TypeError, "fast must be a bool or None"),
+    ("load fast, rotated space", lambda: _load(fast=True), ValueError, "fast=True needs space='model'"),
+    ("load fast, fp32 output", lambda: _load(space="model", out_dtype=torch.float32, fast=True), ValueError,
+     "fast=True needs space='model' with a 16-bit out_dtype"),
 ]
 
 
