@@ -26,10 +26,10 @@ What
     centroids (a table of at most 16 floats, one cache line), multiply by the stored fp16 scale (the
     norm correction is in it). ``space="rotated"`` returns that (what attention in
     rotated space consumes). ``space="model"`` rotates back by ``R.T``: for fp16/bf16 outputs (dims up
-    to 128) inside the kernel, one tensor-core product of the fp16 tile by an fp16 ``R.T`` per
-    program (fp32 accumulation; the error is of the order of the output's rounding); for fp32
-    outputs the kernel writes the rotated rows and one batched fp32 GEMM follows (the reference's
-    product).
+    to 128) inside the kernel, as ``(c R^T) s``: the fp16 centroid tile ``c`` times an fp16 ``R^T`` on
+    the tensor cores (fp32 accumulation), then each row times its scale ``s`` in fp32 (the error is of
+    the order of the output's rounding); for fp32 outputs the kernel writes the rotated rows and one
+    batched fp32 GEMM follows (the reference's product).
 
 Tiling
     Store: one row per thread (``block_rows = 32 * num_warps`` by default); rows longer than
@@ -44,6 +44,14 @@ Tiling
     Load: a thread decodes groups of 8 elements (``bits`` bytes in, 16 bytes of fp16 out, one
     vector store), loading the group's bytes 4, 2 or 1 at a time as the cache's alignment allows;
     consecutive groups of a row sit on consecutive lanes, so loads and stores are coalesced.
+
+    Model-space load (16-bit outputs): persistent programs, 4 an SM, each loads ``R^T`` (32 KB at dim
+    128) once and loops over tiles of 64 rows, a warpgroup MMA each. Compiled, the centroids come
+    from byte permutes of the 32-bit code words (``prmt``, inline PTX, as in ``kvlab.decode``: the fp16
+    codebook held as byte planes in registers; 4 bits needs a symmetric codebook), in the lookup's
+    tile order, which ``R^T``'s rows follow (``tile_order``); the loop reads the next tile's words
+    before computing the current one. Elsewhere (the interpreter, other dims, odd alignments) it
+    shifts out each index and gathers its centroid.
 
     Eight ``bits``-wide indices make exactly ``bits`` bytes (a "group"): packing sums the eight
     shifted indices of a group into one word, unpacking shifts them back out.
