@@ -4,7 +4,8 @@ Each kernel is launched once at a benchmark-like shape (dim 128, 8 heads) with i
 configuration and ``check=False`` (as the benchmarks time them) under the Triton interpreter, which
 records the launch: argument types, which pointers and integers are multiples of 16 (Triton
 specialises on that), the compile-time constants and the launch options (``num_warps``, and
-``num_stages`` where the launcher sets it, as the decode launch does). The recorded launches are then
+``num_stages`` and ``enable_fp_fusion`` where the launcher sets them: the decode launch sets its
+stages, the affine encoders turn fusion off). The recorded launches are then
 compiled ahead of time for sm_90 with Triton's own
 ``ptxas`` and disassembled with ``nvdisasm`` (both ship with the triton wheel), and the SASS is counted.
 
@@ -61,7 +62,7 @@ def _record(out: str, only: set[str]) -> None:
     def recording_run(self, *args, grid, warmup, **kwargs):
         params = inspect.signature(self.fn).parameters
         kw = dict(kwargs)
-        opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+        opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kw}
         bound = dict(zip(params, args)) | kw
         sig, const, aligned = {}, {}, []
         for i, (name, par) in enumerate(params.items()):
@@ -191,7 +192,7 @@ def _sass(launch: dict) -> tuple[str, str]:
             const[name] = value  # what the launchers pass when compiled
     fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["aligned"]}
-    options = {k: v for k, v in launch["options"].items() if k in ("num_warps", "num_stages", "maxnreg")}
+    options = {k: v for k, v in launch["options"].items() if k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")}
     compiled = triton.compile(ASTSource(fn, launch["signature"], const, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     with tempfile.TemporaryDirectory() as tmp:
