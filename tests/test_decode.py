@@ -231,7 +231,7 @@ def _read_words_kernel(cache_ptr, o_base_ptr, out_ptr, BN: tl.constexpr, D: tl.c
     o_n = tl.arange(0, BN)
     o_base = tl.load(o_base_ptr + o_n)
     m_n = o_n < BN - 1  # the last row is masked: it reads zeros
-    w0, w1, w2 = kvlab.decode._mse_words(cache_ptr, o_base, m_n, BN, D, BITS, ALIGN4)
+    w0, w1, w2 = kvlab.mse._mse_words(cache_ptr, o_base, m_n, BN, D, BITS, ALIGN4)
     o_w = tl.arange(0, W)
     tl.store(out_ptr + o_n[:, None] * 3 * W + o_w[None, :], w0)
     if BITS == 3:
