@@ -186,8 +186,9 @@ def _thresholds(n, mid_ptr, tie_ptr, NUM_BOUNDARIES: tl.constexpr):
 
 
 @triton.jit
-def _bucketize(y, ts, BITS: tl.constexpr):
+def _bucketize(y, ts, shift, BITS: tl.constexpr):
     """Number of thresholds ``ts`` (ascending, ``2**BITS - 1``) strictly below ``y``: a binary search.
+    Up to 3 bits it comes out shifted left by ``shift`` (each outcome's bit is selected in place).
 
     Each outcome halves the candidate thresholds right away (one select per remaining candidate):
     ``BITS`` compares and ``2**BITS - BITS - 1`` selects. Up to 3 bits the outcomes are predicates
@@ -196,13 +197,13 @@ def _bucketize(y, ts, BITS: tl.constexpr):
     difference is zero only for equal operands, no threshold is ``-0``, and the kernel is compiled
     without FMA contraction), and the selects are bit operations.
     """
-    idx = tl.zeros(y.shape, dtype=tl.int32)
+    idx = tl.zeros(y.shape, dtype=tl.uint32)
     if BITS <= 3:
         cands = ts
         for level in tl.static_range(BITS):
             # 2 h + 1 candidates, h = 2**(BITS - 1 - level) - 1: the middle one splits them
             up = y > cands[(1 << (BITS - 1 - level)) - 1]
-            idx = idx | tl.where(up, 1 << (BITS - 1 - level), 0)
+            idx = idx + tl.where(up, (1 << (BITS - 1 - level)) << shift, 0)
             picked = ()
             for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
                 picked = picked + (tl.where(up, cands[(1 << (BITS - 1 - level)) + i], cands[i]),)
@@ -214,13 +215,13 @@ def _bucketize(y, ts, BITS: tl.constexpr):
         for level in tl.static_range(BITS):
             t = cands[(1 << (BITS - 1 - level)) - 1].to(tl.float32, bitcast=True)
             m = (t - y).to(tl.int32, bitcast=True) >> 31  # -1 where y > t, else 0
-            idx = idx | (m & (1 << (BITS - 1 - level)))
+            idx = idx | (m & (1 << (BITS - 1 - level))).to(tl.uint32)
             picked = ()
             for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
                 lo, hi = cands[i], cands[(1 << (BITS - 1 - level)) + i]
                 picked = picked + (lo ^ ((lo ^ hi) & m),)
             cands = picked
-    return idx.to(tl.uint32)
+    return idx
 
 
 @triton.jit
@@ -332,14 +333,23 @@ def _encode_rows(
     # table holds the fp64 sums of TUPLE consecutive ones (by their packed bits), one gather and
     # one add per TUPLE elements instead of a gather, a conversion and a multiply-add per element
     TB: tl.constexpr = TUPLE * BITS
+    o_shift = (o_k * BITS).to(tl.uint32)[None, None, :]  # [1, 1, 8]: where index k sits in its group word
     b_len = tl.zeros([H, BR], dtype=tl.float64)
     piece_words = ()
     for c in tl.static_range(CP):
-        b_idx = _bucketize(ys[c], ts, BITS)  # [H, BR, 8] uint32
+        # 2 bits: the indices come out at their bits in the group word, which is then their sum;
+        # at 3 bits that keeps more predicates live (the compiler parks them in registers)
+        if BITS == 2:
+            b_idx = _bucketize(ys[c], ts, o_shift, BITS)  # [H, BR, 8] uint32, shifted
+        else:
+            b_idx = _bucketize(ys[c], ts, o_shift * 0, BITS)  # [H, BR, 8] uint32
         if 8 * C != D:
             m_pad = ((o_q * NP)[:, None] + c * 8 + o_k[None, :] < D)[:, None, :]  # [H, 1, 8]: real columns
             b_idx = tl.where(m_pad, b_idx, 0)  # padding: zero bits
-        b_word = tl.sum(b_idx << (o_k * BITS).to(tl.uint32)[None, None, :], axis=2)  # [H, BR]
+        if BITS == 2:
+            b_word = tl.sum(b_idx, axis=2)  # [H, BR]
+        else:
+            b_word = tl.sum(b_idx << o_shift, axis=2)  # [H, BR]
         piece_words = piece_words + (b_word,)
         if NORM_CORRECTION and TUPLE == 1:
             if 8 * C != D:
