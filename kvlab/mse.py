@@ -187,40 +187,37 @@ def _thresholds(n, mid_ptr, tie_ptr, NUM_BOUNDARIES: tl.constexpr):
 
 @triton.jit
 def _bucketize(y, ts, shift, BITS: tl.constexpr):
-    """Number of thresholds ``ts`` (ascending, ``2**BITS - 1``) strictly below ``y``: a binary search.
-    Up to 3 bits it comes out shifted left by ``shift`` (each outcome's bit is selected in place).
+    """Number of thresholds ``ts`` (ascending, ``2**BITS - 1``) strictly below ``y``, shifted left by
+    ``shift``: a binary search.
 
     Each outcome halves the candidate thresholds right away (one select per remaining candidate):
-    ``BITS`` compares and ``2**BITS - BITS - 1`` selects. Up to 3 bits the outcomes are predicates
-    (a compare, then one float select per candidate); at 4 bits, where predicate registers run
-    short (and the kernel spills), they are integer masks, the sign of ``t - y`` (exact: a float
-    difference is zero only for equal operands, no threshold is ``-0``, and the kernel is compiled
-    without FMA contraction), and the selects are bit operations.
+    ``BITS`` compares and ``2**BITS - BITS - 1`` selects. Outcomes are predicates (a compare, then
+    one float select per candidate), except at the first of 4 levels, where the 7 selects of each
+    element would keep too many predicates live (the kernel spills): there the outcome is an
+    integer mask, the sign of ``t - y`` (exact: a float difference is zero only for equal operands,
+    no threshold is ``-0``, and the kernel is compiled without FMA contraction), and the selects are
+    bit operations.
     """
+    MASK_LEVELS: tl.constexpr = 1 if BITS == 4 else 0
     idx = tl.zeros(y.shape, dtype=tl.uint32)
-    if BITS <= 3:
-        cands = ts
-        for level in tl.static_range(BITS):
-            # 2 h + 1 candidates, h = 2**(BITS - 1 - level) - 1: the middle one splits them
-            up = y > cands[(1 << (BITS - 1 - level)) - 1]
+    cands = ts
+    for level in tl.static_range(BITS):
+        # 2 h + 1 candidates, h = 2**(BITS - 1 - level) - 1: the middle one splits them
+        t = cands[(1 << (BITS - 1 - level)) - 1]
+        picked = ()
+        if level < MASK_LEVELS:
+            m = (t - y).to(tl.int32, bitcast=True) >> 31  # -1 where y > t, else 0
+            idx = idx | (m.to(tl.uint32) & ((1 << (BITS - 1 - level)) << shift))
+            for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
+                lo = cands[i].to(tl.int32, bitcast=True)
+                hi = cands[(1 << (BITS - 1 - level)) + i].to(tl.int32, bitcast=True)
+                picked = picked + ((lo ^ ((lo ^ hi) & m)).to(tl.float32, bitcast=True),)
+        else:
+            up = y > t
             idx = idx + tl.where(up, (1 << (BITS - 1 - level)) << shift, 0)
-            picked = ()
             for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
                 picked = picked + (tl.where(up, cands[(1 << (BITS - 1 - level)) + i], cands[i]),)
-            cands = picked
-    else:
-        cands = ()
-        for i in tl.static_range((1 << BITS) - 1):
-            cands = cands + (ts[i].to(tl.int32, bitcast=True),)
-        for level in tl.static_range(BITS):
-            t = cands[(1 << (BITS - 1 - level)) - 1].to(tl.float32, bitcast=True)
-            m = (t - y).to(tl.int32, bitcast=True) >> 31  # -1 where y > t, else 0
-            idx = idx | (m & (1 << (BITS - 1 - level))).to(tl.uint32)
-            picked = ()
-            for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
-                lo, hi = cands[i], cands[(1 << (BITS - 1 - level)) + i]
-                picked = picked + (lo ^ ((lo ^ hi) & m),)
-            cands = picked
+        cands = picked
     return idx
 
 
@@ -338,7 +335,8 @@ def _encode_rows(
     piece_words = ()
     for c in tl.static_range(CP):
         # 2 bits: the indices come out at their bits in the group word, which is then their sum;
-        # at 3 bits that keeps more predicates live (the compiler parks them in registers)
+        # at 3 bits that keeps more predicates live (the compiler parks them in registers), and
+        # at 4 bits the squares table is gathered by index
         if BITS == 2:
             b_idx = _bucketize(ys[c], ts, o_shift, BITS)  # [H, BR, 8] uint32, shifted
         else:
