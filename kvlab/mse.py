@@ -5,8 +5,9 @@ What
     ``slot_mapping``: rotate, take the norm (fp64 accumulation, rounded to fp32), count the
     Lloyd-Max boundaries strictly below each normalised coordinate (``torch.bucketize``), pack the
     indices, append the fp16 scale: the norm, divided (with norm correction) by the length of the
-    picked centroid vector, an fp64 sum of the gathered centroids' squares. One launch for the keys, one for the values. The rotation
-    depends on the codec:
+    picked centroid vector, an fp64 sum of the picked centroids' squares (gathered from a table of
+    fp64 sums of the squares of one or two consecutive centroids, ``_square_sums``). One launch for
+    the keys, one for the values. The rotation depends on the codec:
 
     * Hadamard codecs (``codec.hadamard_signs`` set): FUSED. The kernel reads the fp16/bf16/fp32
       input rows and computes ``fwht(x * signs) * scale`` itself, with the reference's butterflies
@@ -19,8 +20,8 @@ What
     thresholds gives the index. Bytes equal the reference's exactly (``torch.equal``). The store
     kernel is compiled without FMA contraction (``enable_fp_fusion=False``): ``y = z * scale``
     must be rounded before it is compared; the only fused multiply-adds left are explicit fp64
-    ones on exact squares (the norm, the centroid vector's length), which round like a multiply and
-    an add; the scale is an IEEE division (``tl.div_rn``).
+    ones on exact squares (the norm), which round like a multiply and an add; the scale is an IEEE
+    division (``tl.div_rn``).
 
     ``load_mse`` reads the key or the value part of the slots back: unpack the indices, gather the
     centroids (a table of at most 16 floats, one cache line), multiply by the stored fp16 scale (the
@@ -37,7 +38,9 @@ Tiling
     lanes (dim 256: two threads per row, ``block_rows = 16 * num_warps``), whose last butterfly
     stages pair the pieces through two-term sums across lanes. A row is loaded as 16-byte chunks of
     8 columns, so a thread holds its piece in registers: the butterflies, the norm and the
-    2**bits - 1 thresholds of the row cost no data movement. The packed code goes out as 4-byte words through
+    2**bits - 1 thresholds of the row cost no data movement (two threads per row cost more
+    instructions per byte than the 255 registers of one: the per-row work is done twice and the
+    last stages cross lanes). The packed code goes out as 4-byte words through
     a coalesced store (a head and a tail of at most 3 bytes per row when the code is not 4-byte
     aligned; bytes when the cache's strides are not multiples of 4).
 
@@ -197,30 +200,39 @@ def _thresholds(n, mid_ptr, tie_ptr, NUM_BOUNDARIES: tl.constexpr):
 
 
 @triton.jit
-def _bucketize(y, ts, BITS: tl.constexpr):
-    """Number of thresholds ``ts`` (ascending, ``2**BITS - 1``) strictly below ``y``: a binary search.
+def _bucketize(y, ts, shift, BITS: tl.constexpr):
+    """Number of thresholds ``ts`` (ascending, ``2**BITS - 1``) strictly below ``y``, shifted left by
+    ``shift``: a binary search.
 
     Each outcome halves the candidate thresholds right away (one select per remaining candidate):
-    ``BITS`` compares and ``2**BITS - BITS - 1`` selects. Outcomes are integer masks, the sign of
-    ``t - y`` (exact: a float difference is zero only for equal operands, no threshold is ``-0``,
-    and the kernel is compiled without FMA contraction), and selects are bit operations: no
-    predicate registers, which run short otherwise.
+    ``BITS`` compares and ``2**BITS - BITS - 1`` selects. Outcomes are predicates (a compare, then
+    one float select per candidate), except at the first of 4 levels, where the 7 selects of each
+    element would keep too many predicates live (the kernel spills): there the outcome is an
+    integer mask, the sign of ``t - y`` (exact: a float difference is zero only for equal operands,
+    no threshold is ``-0``, and the kernel is compiled without FMA contraction), and the selects are
+    bit operations.
     """
-    idx = tl.zeros(y.shape, dtype=tl.int32)
-    cands = ()
-    for i in tl.static_range((1 << BITS) - 1):
-        cands = cands + (ts[i].to(tl.int32, bitcast=True),)
+    MASK_LEVELS: tl.constexpr = 1 if BITS == 4 else 0
+    idx = tl.zeros(y.shape, dtype=tl.uint32)
+    cands = ts
     for level in tl.static_range(BITS):
         # 2 h + 1 candidates, h = 2**(BITS - 1 - level) - 1: the middle one splits them
-        t = cands[(1 << (BITS - 1 - level)) - 1].to(tl.float32, bitcast=True)
-        m = (t - y).to(tl.int32, bitcast=True) >> 31  # -1 where y > t, else 0
-        idx = idx | (m & (1 << (BITS - 1 - level)))
+        t = cands[(1 << (BITS - 1 - level)) - 1]
         picked = ()
-        for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
-            lo, hi = cands[i], cands[(1 << (BITS - 1 - level)) + i]
-            picked = picked + (lo ^ ((lo ^ hi) & m),)
+        if level < MASK_LEVELS:
+            m = (t - y).to(tl.int32, bitcast=True) >> 31  # -1 where y > t, else 0
+            idx = idx | (m.to(tl.uint32) & ((1 << (BITS - 1 - level)) << shift))
+            for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
+                lo = cands[i].to(tl.int32, bitcast=True)
+                hi = cands[(1 << (BITS - 1 - level)) + i].to(tl.int32, bitcast=True)
+                picked = picked + ((lo ^ ((lo ^ hi) & m)).to(tl.float32, bitcast=True),)
+        else:
+            up = y > t
+            idx = idx + tl.where(up, (1 << (BITS - 1 - level)) << shift, 0)
+            for i in tl.static_range((1 << (BITS - 1 - level)) - 1):
+                picked = picked + (tl.where(up, cands[(1 << (BITS - 1 - level)) + i], cands[i]),)
         cands = picked
-    return idx.to(tl.uint32)
+    return idx
 
 
 @triton.jit
@@ -256,7 +268,7 @@ def _encode_rows(
     sign_ptr,  # HADAMARD: int16/int32 [D]: the sign bit of the rotation's sign, per column
     mid_ptr,  # fp64 [2**BITS - 1]: midpoints between each boundary and the next float32
     tie_ptr,  # int32 [2**BITS - 1]: 1 where a value at the midpoint rounds up
-    cent_ptr,  # fp32 [2**BITS]: centroids (NORM_CORRECTION)
+    sq_ptr,  # fp64: sums of the squares of TUPLE centroids (NORM_CORRECTION; see _square_sums)
     cache_ptr,  # uint8: the cache, addressed by byte offsets
     norm_ptr,  # fp32 [num_rows]: CHECK: the rows' stored scales, checked by the launcher
     # this tile's rows
@@ -272,6 +284,7 @@ def _encode_rows(
     PIECES: tl.constexpr,  # threads per row: 8 C / 128, at least 1
     BLOCK_ROWS: tl.constexpr,
     BITS: tl.constexpr,
+    TUPLE: tl.constexpr,  # indices per entry of the squares table (1, 2 or 4)
     INDEX_BYTES: tl.constexpr,
     HEAD: tl.constexpr,  # bytes before the code's first 4-byte aligned address; -1: alignment unknown
     HADAMARD: tl.constexpr,  # rotate here (fused) instead of reading rotated rows
@@ -327,18 +340,44 @@ def _encode_rows(
     # index = number of boundaries strictly below y / norm (torch.bucketize), without dividing;
     # then pack: index k of a chunk (group) sits at bit BITS * k of the group's word (BITS bytes)
     ts = _thresholds(b_norm, mid_ptr, tie_ptr, (1 << BITS) - 1)  # [1, BR, 1] each
-    # |c| as in the reference: fp64 sum of the squares of the picked centroids (each square exact)
-    b_len = tl.zeros([H, BR, 8], dtype=tl.float64)
+    # |c|^2 as in the reference, an fp64 sum of the (exact) squares of the picked centroids: the
+    # table holds the fp64 sums of TUPLE consecutive ones (by their packed bits), one gather and
+    # one add per TUPLE elements instead of a gather, a conversion and a multiply-add per element
+    TB: tl.constexpr = TUPLE * BITS
+    o_shift = (o_k * BITS).to(tl.uint32)[None, None, :]  # [1, 1, 8]: where index k sits in its group word
+    b_len = tl.zeros([H, BR], dtype=tl.float64)
     piece_words = ()
     for c in tl.static_range(CP):
-        b_idx = _bucketize(ys[c], ts, BITS)  # [H, BR, 8] uint32
-        m_pad = ((o_q * NP)[:, None] + c * 8 + o_k[None, :] < D)[:, None, :]  # [H, 1, 8]: real columns
+        # 2 bits: the indices come out at their bits in the group word, which is then their sum;
+        # at 3 bits that keeps more predicates live (the compiler parks them in registers), and
+        # at 4 bits the squares table is gathered by index
+        if BITS == 2:
+            b_idx = _bucketize(ys[c], ts, o_shift, BITS)  # [H, BR, 8] uint32, shifted
+        else:
+            b_idx = _bucketize(ys[c], ts, o_shift * 0, BITS)  # [H, BR, 8] uint32
         if 8 * C != D:
+            m_pad = ((o_q * NP)[:, None] + c * 8 + o_k[None, :] < D)[:, None, :]  # [H, 1, 8]: real columns
             b_idx = tl.where(m_pad, b_idx, 0)  # padding: zero bits
-        if NORM_CORRECTION:
-            b_c = tl.where(m_pad, tl.load(cent_ptr + b_idx), 0.0).to(tl.float64)  # a table of 2**BITS (one cache line)
-            b_len = tl.fma(b_c, b_c, b_len)
-        piece_words = piece_words + (tl.sum(b_idx << (o_k * BITS).to(tl.uint32)[None, None, :], axis=2),)  # [H, BR]
+        if BITS == 2:
+            b_word = tl.sum(b_idx, axis=2)  # [H, BR]
+        else:
+            b_word = tl.sum(b_idx << o_shift, axis=2)  # [H, BR]
+        piece_words = piece_words + (b_word,)
+        if NORM_CORRECTION and TUPLE == 1:
+            if 8 * C != D:
+                b_len += tl.sum(tl.load(sq_ptr + b_idx, mask=m_pad, other=0.0), axis=2)
+            else:
+                b_len += tl.sum(tl.load(sq_ptr + b_idx), axis=2)
+        elif NORM_CORRECTION:
+            for j in tl.static_range(8 // TUPLE):
+                b_t = ((b_word >> (TB * j)) & ((1 << TB) - 1)).to(tl.int32)
+                if 8 * C != D:
+                    # a tuple that is partly padding: the sums of its first r (real) centroids
+                    n_real = tl.minimum(tl.maximum(D - (o_q * NP + c * 8 + TUPLE * j), 0), TUPLE)  # [H]
+                    o_sec = tl.where(n_real == TUPLE, 0, (1 << TB) + ((1 << (BITS * n_real)) - (1 << BITS)) // ((1 << BITS) - 1))
+                    b_len += tl.load(sq_ptr + (b_t + o_sec[:, None]), mask=(n_real > 0)[:, None], other=0.0)
+                else:
+                    b_len += tl.load(sq_ptr + b_t)
     ws = ()  # the C group words of each row, in order (every piece's thread gets all of them)
     for q in tl.static_range(H):
         for c in tl.static_range(CP):
@@ -349,7 +388,7 @@ def _encode_rows(
 
     # the stored scale: norm / |c| (fp64 sqrt of the fp64 sum rounded to fp32, IEEE division, as the reference), or the norm
     if NORM_CORRECTION:
-        b_norm = tl.div_rn(b_norm, tl.sqrt(tl.sum(tl.sum(b_len, axis=2), axis=0)).to(tl.float32))
+        b_norm = tl.div_rn(b_norm, tl.sqrt(tl.sum(b_len, axis=0)).to(tl.float32))
 
     # store the code (indices, then the fp16 scale): 4-byte words, coalesced, between a head and a
     # tail of at most 3 bytes each, stored per row
@@ -392,7 +431,7 @@ def _store_mse_kernel(
     sign_ptr,  # HADAMARD: int16/int32 [D] sign bits of the rotation's signs
     mid_ptr,  # fp64 [2**BITS - 1]: boundary midpoints (see _thresholds)
     tie_ptr,  # int32 [2**BITS - 1]
-    cent_ptr,  # fp32 [2**BITS]: centroids (NORM_CORRECTION)
+    sq_ptr,  # fp64: sums of the squares of TUPLE centroids (NORM_CORRECTION)
     slot_ptr,  # int32/int64 [num_tokens]
     cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
     norm_ptr,  # fp32 [num_rows]: the rows' norms (CHECK only)
@@ -415,6 +454,7 @@ def _store_mse_kernel(
     BLOCK_SIZE: tl.constexpr,  # divisions become multiplications
     BLOCK_ROWS: tl.constexpr,
     BITS: tl.constexpr,
+    TUPLE: tl.constexpr,
     INDEX_BYTES: tl.constexpr,
     HEAD: tl.constexpr,
     HADAMARD: tl.constexpr,
@@ -429,9 +469,9 @@ def _store_mse_kernel(
     b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
     m_w = m_r & (b_slot >= 0) & (b_slot < num_slots)  # out-of-range slots are never written
     o_dst = (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + offset
-    _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, cent_ptr, cache_ptr, norm_ptr,
+    _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, sq_ptr, cache_ptr, norm_ptr,
                  o_r, m_w, o_dst, stride_x, scale,
-                 D, C, LOG_D, PIECES, BLOCK_ROWS, BITS, INDEX_BYTES, HEAD, HADAMARD, NORM_CORRECTION, CHECK)
+                 D, C, LOG_D, PIECES, BLOCK_ROWS, BITS, TUPLE, INDEX_BYTES, HEAD, HADAMARD, NORM_CORRECTION, CHECK)
 
 
 # ----------------------------------------------------------------------------- lookups (inline PTX)
@@ -852,6 +892,34 @@ def _centroids(codec, device):
                    lambda c: c.to(device=device, dtype=torch.float32).contiguous())
 
 
+def _square_tuple(bits: int) -> int:
+    """Indices per entry of the store's squares table (``_square_sums``)."""
+    return 1 if bits == 4 else 2  # tables of 16, 64 and 16 entries: at most 512 bytes, mostly one cache line
+
+
+def _square_sums(codec, device):
+    """The store's table for ``|c|^2`` (float64): sums of the squares of ``E = _square_tuple(bits)``
+    consecutive centroids, added in order in float64 (each square is exact).
+
+    Entry ``t < 2**(E bits)`` is the sum for the ``E`` indices that ``t`` packs (index ``i`` in bits
+    ``[bits i, bits i + bits)``); then, for tuples that are partly padding, the sums of the first
+    ``r`` of them for ``r = 1 .. E - 1``, each section ``2**(r bits)`` entries long.
+    """
+    def build(centroids):
+        c = centroids.detach().to("cpu", torch.float64)
+        levels, bits = c.numel(), codec.bits
+        sections = []
+        for r in [_square_tuple(bits)] + list(range(1, _square_tuple(bits))):
+            t = torch.arange(levels**r)
+            acc = torch.zeros(levels**r, dtype=torch.float64)
+            for i in range(r):
+                acc = acc + c[(t >> (bits * i)) & (levels - 1)] ** 2
+            sections.append(acc)
+        return torch.cat(sections).to(device)
+
+    return _cached(codec, ("square_sums", device, _square_tuple(codec.bits)), codec.centroids, build)
+
+
 def _midpoints(codec, device):
     """``(mid, tie)`` on ``device`` for the store's division-free compare (see ``_thresholds``).
 
@@ -1117,7 +1185,7 @@ def store_mse(
             sign_bits, scale = rows, 1.0  # unused
         mid, tie = _midpoints(codec, device)
         parts.append(dict(rows=rows, signs=sign_bits, mid=mid, tie=tie, scale=scale, hadamard=signs is not None,
-                          centroids=_centroids(codec, device),
+                          squares=_square_sums(codec, device),
                           head=_store_head(cache, offset, index_bytes + NORM_BYTES)))
     # check: every written row's norm (rows not written stay 0); else a placeholder, never accessed
     norms = torch.zeros(2, num_rows if check else 1, dtype=torch.float32, device=device)
@@ -1129,7 +1197,7 @@ def store_mse(
             (parts[1], value_codec, layout.value_offset, layout.value_bytes, norms[1]),
         ):
             _store_mse_kernel[grid](  # no FMA contraction: y = z * scale must be rounded before t - y
-                p["rows"], p["signs"], p["mid"], p["tie"], p["centroids"], slot_mapping, cache, part_norms,
+                p["rows"], p["signs"], p["mid"], p["tie"], p["squares"], slot_mapping, cache, part_norms,
                 p["scale"], p["rows"].stride(0), num_rows, num_slots, offset,
                 slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
                 D=dim,
@@ -1140,6 +1208,7 @@ def store_mse(
                 BLOCK_SIZE=block_size,
                 BLOCK_ROWS=block_rows,
                 BITS=codec.bits,
+                TUPLE=_square_tuple(codec.bits),
                 INDEX_BYTES=index_bytes,
                 HEAD=p["head"],
                 HADAMARD=p["hadamard"],
