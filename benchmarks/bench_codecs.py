@@ -53,7 +53,7 @@ TUNABLES = {
     "mse_store": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=1),
                   dict(block_rows=None, num_warps=2), dict(block_rows=None, num_warps=4, piece=32),
                   dict(block_rows=None, num_warps=4, piece=16), dict(block_rows=None, num_warps=8, piece=16)],
-    "mse_load": [dict(block_rows=None, num_warps=2), dict(block_rows=None, num_warps=8),
+    "mse_load": [dict(block_rows=None, num_warps=None), dict(block_rows=None, num_warps=8),
                  dict(block_rows=64, num_warps=4),
                  # model space: every program loads R^T (32 KB); more rows share it (fewer instructions per byte)
                  dict(block_rows=128, num_warps=4), dict(block_rows=256, num_warps=8)],
@@ -150,8 +150,9 @@ def main():
 
     checks = {}
     sizes = [int(s) for s in args.sizes.split(",")]
-    # sweep launch configs at the middle size first, then reuse them for the others
-    order = sorted(sizes, key=lambda m: abs(m - 4))
+    # sweep launch configs at the middle size first, then reuse them for the others; without a sweep
+    # the sizes run in the order given (the largest first keeps it whole if the run is cut short)
+    order = sorted(sizes, key=lambda m: abs(m - 4)) if SWEEP else sizes
     for n_m in order:
         n = n_m * unit
         tokens = n // HEADS
