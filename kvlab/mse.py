@@ -532,32 +532,12 @@ prmt.b32 $3, l1, h1, 0x7362;
 }""")
 
 # 2 bit: $0..$7 fp16 pairs of sixteen tile positions; inputs: the word, two table registers
-_LOOKUP2 = tl.constexpr("""{
-.reg .b32 x, y;
-and.b32 x, $8, 0x03030303;
-mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $0, $9, $10, y;
-shr.b32 y, y, 16;
-prmt.b32 $4, $9, $10, y;
-shr.b32 x, $8, 2;
-and.b32 x, x, 0x03030303;
-mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $1, $9, $10, y;
-shr.b32 y, y, 16;
-prmt.b32 $5, $9, $10, y;
-shr.b32 x, $8, 4;
-and.b32 x, x, 0x03030303;
-mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $2, $9, $10, y;
-shr.b32 y, y, 16;
-prmt.b32 $6, $9, $10, y;
-shr.b32 x, $8, 6;
-and.b32 x, x, 0x03030303;
-mad.lo.u32 y, x, 0x22, 0x10101010;
-prmt.b32 $3, $9, $10, y;
-shr.b32 y, y, 16;
-prmt.b32 $7, $9, $10, y;
-}""")
+_LOOKUP2 = tl.constexpr(
+    "{\n.reg .b32 x, y;\n"
+    + "".join((f"shr.b32 x, $8, {2 * j};\nand.b32 x, x, 0x03030303;\n" if j else "and.b32 x, $8, 0x03030303;\n")
+              + f"mad.lo.u32 y, x, 0x22, 0x10101010;\nprmt.b32 ${j}, $9, $10, y;\nshr.b32 y, y, 16;\n"
+              f"prmt.b32 ${j + 4}, $9, $10, y;\n" for j in range(4))
+    + "}")
 
 
 @triton.jit
