@@ -284,7 +284,7 @@ def _encode_rows(
     PIECES: tl.constexpr,  # threads per row: 8 C / 128, at least 1
     BLOCK_ROWS: tl.constexpr,
     BITS: tl.constexpr,
-    TUPLE: tl.constexpr,  # indices per entry of the squares table (1, 2 or 4)
+    TUPLE: tl.constexpr,  # indices per entry of the squares table (1 or 2, _square_tuple)
     INDEX_BYTES: tl.constexpr,
     HEAD: tl.constexpr,  # bytes before the code's first 4-byte aligned address; -1: alignment unknown
     HADAMARD: tl.constexpr,  # rotate here (fused) instead of reading rotated rows
@@ -354,7 +354,7 @@ def _encode_rows(
         if BITS == 2:
             b_idx = _bucketize(ys[c], ts, o_shift, BITS)  # [H, BR, 8] uint32, shifted
         else:
-            b_idx = _bucketize(ys[c], ts, o_shift * 0, BITS)  # [H, BR, 8] uint32
+            b_idx = _bucketize(ys[c], ts, 0, BITS)  # [H, BR, 8] uint32
         if 8 * C != D:
             m_pad = ((o_q * NP)[:, None] + c * 8 + o_k[None, :] < D)[:, None, :]  # [H, 1, 8]: real columns
             b_idx = tl.where(m_pad, b_idx, 0)  # padding: zero bits
@@ -464,11 +464,9 @@ def _store_mse_kernel(
     # one part (key or value) per launch: the kernels are half the size (and compile in half the time)
     i_p = tl.program_id(0).to(tl.int64)
     o_r = i_p * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] int64 rows
-    m_r = o_r < num_rows
-    o_t, o_h = o_r // NUM_HEADS, o_r % NUM_HEADS  # token, head
-    b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
-    m_w = m_r & (b_slot >= 0) & (b_slot < num_slots)  # out-of-range slots are never written
-    o_dst = (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + offset
+    # rows to write (out-of-range slots are never written) and the byte offset of each row's code
+    m_w, o_dst = _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
+                            NUM_HEADS, BLOCK_SIZE, offset)
     _encode_rows(x_ptr, sign_ptr, mid_ptr, tie_ptr, sq_ptr, cache_ptr, norm_ptr,
                  o_r, m_w, o_dst, stride_x, scale,
                  D, C, LOG_D, PIECES, BLOCK_ROWS, BITS, TUPLE, INDEX_BYTES, HEAD, HADAMARD, NORM_CORRECTION, CHECK)
@@ -627,15 +625,16 @@ def _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.con
 
 @triton.jit
 def _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
-               NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, OFFSET: tl.constexpr):
-    """Rows ``o_r`` ([BR] int64, row = token * NUM_HEADS + head) -> (rows read from the cache, byte
-    offset of each row's code). Rows past the end, padding slots (-1) and slots out of range are
-    not read (they decode to 0)."""
+               NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, offset):
+    """Rows ``o_r`` ([BR] int64, row = token * NUM_HEADS + head) -> (rows whose slot is in the cache,
+    byte offset of each row's code: its slot's address plus ``offset``, the part's byte in a slot).
+    Rows past the end, padding slots (-1) and slots out of range are neither read (they decode to 0)
+    nor written."""
     m_r = o_r < num_rows
     o_t, o_h = o_r // NUM_HEADS, o_r % NUM_HEADS
     b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
     m_s = m_r & (b_slot >= 0) & (b_slot < num_slots)
-    return m_s, (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + OFFSET
+    return m_s, (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + offset
 
 
 @triton.jit
