@@ -957,6 +957,15 @@ def _alignment(cache, offset: int) -> int:
     return 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
 
 
+def _model_lookup_tables(cache, codec, offset: int):
+    """The ``prmt`` table registers of a model-space load of the codes at byte ``offset`` of the slots
+    (``_prmt_tables``), or None where the lookup cannot run: a dim other than 32, 64 or 128, a 4-bit
+    codebook that is not symmetric, or codes not all 4-byte aligned or all 2 bytes past a word boundary."""
+    if codec.dim not in (32, 64, 128) or _word_phase(cache, offset) is None:
+        return None
+    return _prmt_tables(codec)
+
+
 def _model_options() -> dict:
     """Launch options of the model-space load (``maxnreg`` only when compiled)."""
     return {k: v for k, v in MODEL_OPTIONS.items() if k != "maxnreg" or not _interpreted()}
@@ -1280,8 +1289,7 @@ def load_mse(
     device, dim, num_rows = cache.device, codec.dim, num_tokens * num_heads
     rot, cent = _rotation(codec, device), _centroids(codec, device)
     align = _alignment(cache, offset)
-    phase = _word_phase(cache, offset)
-    tables = _prmt_tables(codec) if fused and dim in (32, 64, 128) and phase is not None else None
+    tables = _model_lookup_tables(cache, codec, offset) if fused else None
     can_fast = tables is not None and (not _interpreted() or _interpreter_runs_ptx())
     if fast is None:
         fast = can_fast
@@ -1315,7 +1323,7 @@ def load_mse(
                 BF16_BY_BITS=out.dtype == torch.bfloat16 and _interpreted(),
                 MODEL=fused,
                 FAST=fast,
-                ALIGN4=phase == 0,
+                ALIGN4=fast and _word_phase(cache, offset) == 0,
                 INTERPRETED_TILES=triton.cdiv(tiles, grid[0]) if fused and _interpreted() else 0,
                 num_warps=num_warps,
                 **(_model_options() if fused else {}),

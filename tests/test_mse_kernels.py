@@ -192,9 +192,7 @@ def test_load_matches_reference_decode(case, space, device):
 
 def _fast_possible(cache, codec, part, layout) -> bool:
     """Whether the model-space load can take the prmt lookup (``fast=True``) for this cache and part."""
-    offset = 0 if part == "key" else layout.value_offset
-    return (codec.dim in (32, 64, 128) and kvlab.mse._prmt_tables(codec) is not None
-            and kvlab.mse._word_phase(cache, offset) is not None)
+    return kvlab.mse._model_lookup_tables(cache, codec, 0 if part == "key" else layout.value_offset) is not None
 
 
 @pytest.mark.parametrize("fast", [False, True])
