@@ -506,7 +506,7 @@ def _decode_split_kernel(
                     b_m, b_l, b_acc = _attend_affine(
                         cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, start + it * BLOCK_N + o_nb, end, i_b, i_h,
                         stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
-                    KEYS_AS_ROWS, FAST)
+                        KEYS_AS_ROWS, FAST)
         else:
             for n0 in range(start, end, BLOCK_N):
                 b_m, b_l, b_acc = _attend_affine(
