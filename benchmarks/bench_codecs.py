@@ -6,12 +6,13 @@ MSE load (rotated and model space), affine pack / unpack (token and channel grou
 per-head path at 1M-16M vectors of dim 128 for every bit width, times two baseline implementations
 (a one-program-per-vector MSE decode and a global-scale affine cache), and writes
 ``results/codec_kernels.csv`` plus ``results/codec_kernels.json`` (device, versions, date, tests).
+``--only affine`` (or ``mse``) times one codec's kernels into ``codec_kernels_affine.csv`` / ``.json``.
 
 Bytes counted per call are the bytes a kernel must move: its inputs read once plus its outputs
 written once (for MSE store that is the fp16 K/V read and the slots written; the rotation GEMM's
 fp32 intermediate is not counted, so its cost shows up as a lower fraction of bandwidth).
 
-    python benchmarks/bench_codecs.py [--sizes 1,4,16] [--out results] [--no-tests | --tests-log FILE]
+    python benchmarks/bench_codecs.py [--sizes 1,4,16] [--out results] [--no-tests | --tests-log FILE] [--only mse|affine]
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ TUNABLES = {
                  dict(block_rows=64, num_warps=4),
                  # model space: every program loads R^T (32 KB); more rows share it (fewer instructions per byte)
                  dict(block_rows=128, num_warps=4), dict(block_rows=256, num_warps=8)],
-    "affine_pack": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8),
-                    dict(block_rows=8, num_warps=4),
-                    # channel axis: 2 codes a program need 120 registers (4 bit) instead of 183, so an SM
-                    # holds 16 warps instead of 8, at 1.4x the instructions per byte (sass_profile.py)
-                    dict(block_rows=2, num_warps=4)],
-    "default": [dict(block_rows=None, num_warps=4), dict(block_rows=None, num_warps=8)],
+    # affine pack: one warp and small tiles by default (bench_launch_configs.py --only affine sweeps more)
+    "affine_pack": [dict(block_rows=None, num_warps=None), dict(block_rows=None, num_warps=2),
+                    dict(block_rows=None, num_warps=4), dict(block_rows=2, num_warps=1)],
+    "affine_mixed_pack": [dict(block_rows=None, num_warps=None), dict(block_rows=16, num_warps=1),
+                          dict(block_rows=None, num_warps=2)],
+    "default": [dict(block_rows=None, num_warps=None), dict(block_rows=None, num_warps=8)],
 }
 _best = {}
 SWEEP = False
@@ -104,6 +105,8 @@ def main():
     ap.add_argument("--sweep", nargs="?", const="all", default="",
                     help="time every launch config in TUNABLES and keep the best: for all kernels, "
                          "or for a comma-separated list (e.g. mse_store,mse_load)")
+    ap.add_argument("--only", choices=("mse", "affine"),
+                    help="one codec's kernels (writes codec_kernels_<only>.csv/.json): a run of the other's stays valid")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), no timing claims")
     ap.add_argument("--tests-log", help="pytest -q output of a run on this machine, recorded instead of running the tests (several files: comma-separated)")
     args = ap.parse_args()
@@ -134,7 +137,8 @@ def main():
     rows = []
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    partial = out_dir / "codec_kernels.partial.csv"  # every row as it is measured: a run cut short keeps them
+    name = "codec_kernels" + (f"_{args.only}" if args.only else "")
+    partial = out_dir / f"{name}.partial.csv"  # every row as it is measured: a run cut short keeps them
     partial.unlink(missing_ok=True)
     run = {k: meta[k] for k in ("device", "torch", "triton", "date", "copy_gbps")}  # every CSV row also names the run
 
@@ -160,7 +164,7 @@ def main():
         v16 = torch.randn(tokens, HEADS, DIM, device=DEV, dtype=torch.float16)
 
         # ---- MSE store / load in the paged layout
-        for bits, rot in [(b, r) for r in ("haar", "hadamard") for b in (2, 3, 4)]:
+        for bits, rot in [(b, r) for r in ("haar", "hadamard") for b in (2, 3, 4)] if args.only in (None, "mse") else []:
             kc = kvlab.MSECodec(DIM, bits, rotation=rot, seed=0)
             vc = kvlab.MSECodec(DIM, bits, rotation=rot, seed=1)
             layout = kvlab.MSESlot(DIM, bits, bits)
@@ -209,7 +213,7 @@ def main():
         # ---- affine pack / unpack
         flat = x16.view(n, DIM)
         by_head = x16.transpose(0, 1).contiguous()  # [heads, tokens, dim]: channel groups run along tokens
-        for axis in ("token", "channel"):
+        for axis in ("token", "channel") if args.only in (None, "affine") else ():
             x = flat if axis == "token" else by_head
             for bits in (2, 3, 4, 8):
                 gs = 32
@@ -226,6 +230,9 @@ def main():
                 del codes
 
         # ---- mixed per-head bits, one launch per layer
+        if args.only == "mse":
+            del x16, v16, flat, by_head
+            continue
         alloc = [4, 8] * (HEADS // 2)
         mixed = kvlab.MixedAffineLayout(alloc, DIM, 32)
         codes = kvlab.pack_affine_mixed(x16, mixed)
@@ -253,10 +260,10 @@ def main():
 
     meta["checks"] = checks
     print(json.dumps(checks, indent=1))
-    write_csv(out_dir / "codec_kernels.csv", rows, list(rows[0]), run)
-    (out_dir / "codec_kernels.json").write_text(json.dumps(meta, indent=1))
+    write_csv(out_dir / f"{name}.csv", rows, list(rows[0]), run)
+    (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1))
     partial.unlink()
-    print(f"wrote {out_dir / 'codec_kernels.csv'}")
+    print(f"wrote {out_dir / name}.csv")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 """Launch configurations of the codec kernels, and where the MSE store's time goes (GPU only).
 
-One run at 4M vectors of dim 128 (8 heads): times (median of ``do_bench``) the MSE store with Haar
-(rotation by an fp32 GEMM before the kernel) and with Hadamard rotation (fused in the kernel) over
-several ``num_warps`` / ``block_rows`` / ``piece``, the fp32 rotation GEMM alone and the same product in fp16, the
-rotated-space MSE load over a grid of tiles, and affine pack (token and channel groups of 32) and the
-channel-axis 3-bit unpack over their tiles. Fractions are of the copy bandwidth measured in the same
-run, over the bytes each call must move (as ``bench_codecs.py`` counts them). Writes
-``results/codec_launch_configs.csv``; ``bench_codecs.py`` then times every kernel at its best config.
+One run at 4M vectors of dim 128 (8 heads; ``--vectors`` millions): times (median of ``do_bench``)
 
-    python benchmarks/bench_launch_configs.py [--out results]
+* ``mse``: the MSE store with Haar (rotation by an fp32 GEMM before the kernel) and with Hadamard
+  rotation (fused in the kernel) over several ``num_warps`` / ``block_rows`` / ``piece``, the fp32
+  rotation GEMM alone and the same product in fp16, and the rotated-space MSE load over a grid of tiles;
+* ``affine``: affine pack (token and channel groups of 32, every width) and the mixed per-head pack
+  over tiles of ``block_rows`` x ``num_warps`` 1, 2 and 4, and the channel-axis 3-bit unpack.
+
+Fractions are of the copy bandwidth measured in the same run, over the bytes each call must move (as
+``bench_codecs.py`` counts them). Writes ``results/codec_launch_configs.csv`` (with ``--only``:
+``codec_launch_configs_<only>.csv``); the libraries' default launches are the fastest of these, and
+``bench_codecs.py`` times every kernel at its default.
+
+    python benchmarks/bench_launch_configs.py [--out results] [--only mse|affine] [--vectors 4]
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def bench(fn, rep=100):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--only", choices=("mse", "affine"), help="one part of the sweep")
+    ap.add_argument("--vectors", type=int, default=4, help="millions (2^20) of vectors")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     torch.manual_seed(0)
@@ -47,15 +54,22 @@ def main():
     del src, dst
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=dt.date.today().isoformat(), copy_gbps=copy)
-    n = 4 << 20
+    n = args.vectors << 20
     tokens = n // H
     x = torch.randn(tokens, H, D, device="cuda", dtype=torch.float16)
     v = torch.randn_like(x)
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("codec_launch_configs" + (f"_{args.only}" if args.only else "") + ".csv")
 
     def record(kernel, variant, bits, cfg, ms, nbytes):
         rows.append(dict(kernel=kernel, variant=variant, bits=bits, config=" ".join(f"{k}={c}" for k, c in cfg.items()),
                          n_vectors=n, dim=D, time_ms=ms, frac_copy=nbytes / ms / 1e6 / copy, **meta))
+        with open(path, "w", newline="") as f:  # every row as it is measured: a run cut short keeps them
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
         print(f"{kernel:12s} {variant:34s} b={bits!s:3s} {rows[-1]['config']:26s} {ms:8.3f} ms "
               f"{100 * rows[-1]['frac_copy']:6.1f} %", flush=True)
 
@@ -66,7 +80,7 @@ def main():
             except Exception as e:  # a config the kernel rejects or cannot compile
                 print(f"{kernel} {variant} b={bits} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
-    for bits in (4, 2, 3):
+    for bits in (4, 2, 3) if args.only in (None, "mse") else ():
         for rot in ("hadamard", "haar"):
             kc, vc = kvlab.MSECodec(D, bits, rotation=rot, seed=0), kvlab.MSECodec(D, bits, rotation=rot, seed=1)
             layout = kvlab.MSESlot(D, bits, bits)
@@ -92,26 +106,25 @@ def main():
             del cache
 
     flat, by_head = x.view(n, D), x.transpose(0, 1).contiguous()
-    for axis in ("token", "channel"):
+    for axis in ("token", "channel") if args.only in (None, "affine") else ():
         xx = flat if axis == "token" else by_head
         for bits in (4, 3, 8, 2):
             codes = kvlab.pack_affine(xx, bits, 32, axis)
-            blocks = (8, 32, 128) if axis == "token" else (1, 2, 4, 8)
-            configs = ([dict(block_rows=blocks[1] if axis == "token" else 1, num_warps=4)] if bits == 2
-                       else [dict(block_rows=br, num_warps=w) for br in blocks for w in (4, 8)])
+            blocks = (4, 8, 16, 32, 64) if axis == "token" else (1, 2, 4, 8)
+            configs = [dict(block_rows=br, num_warps=w) for br in blocks for w in (1, 2, 4)]
             timed("affine_pack", f"{axis} groups of 32", bits, configs,
                   lambda **c: kvlab.pack_affine(xx, bits, 32, axis, check=False, **c), n * D * 2 + codes.numel())
             if axis == "channel" and bits == 3:
                 timed("affine_unpack", "channel groups of 32", bits, [dict(block_rows=br, num_warps=w) for br in blocks for w in (4, 8)],
                       lambda **c: kvlab.unpack_affine(codes, bits, 32, axis, D, **c), n * D * 2 + codes.numel())
+            del codes
+    if args.only in (None, "affine"):
+        mixed = kvlab.MixedAffineLayout([4, 8] * (H // 2), D, 32)
+        codes = kvlab.pack_affine_mixed(x, mixed)
+        timed("affine_mixed_pack", "heads 4/8...", "mixed", [dict(block_rows=br, num_warps=w) for br in (4, 8, 16, 32) for w in (1, 2, 4)],
+              lambda **c: kvlab.pack_affine_mixed(x, mixed, check=False, **c), n * D * 2 + codes.numel())
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "codec_launch_configs.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {out / 'codec_launch_configs.csv'}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

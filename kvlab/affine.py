@@ -9,9 +9,9 @@ What
     widest one.
 
     Per group, in fp32: ``scale = fp16((max - min) / (2**bits - 1))``, ``zero = fp16(min)``,
-    ``q = clamp(floor((x - zero) * inv + 1/2), 0, 2**bits - 1)`` with ``inv = 1 / scale`` (IEEE
-    division, ``div_rn``, once per group; ``inv = 0`` where ``scale == 0``) and the multiply and add
-    rounded separately (pack kernels are launched with ``enable_fp_fusion=False``), so the codes are
+    ``q = clamp(floor((x - zero) * inv + 1/2), 0, 2**bits - 1)`` with ``inv = 1 / scale`` (``inv = 0``
+    where ``scale == 0``), each division correctly rounded, and the multiply and add rounded
+    separately (pack kernels are launched with ``enable_fp_fusion=False``), so the codes are
     bit-exact; decoding is ``q * scale + zero`` in fp32, then cast to ``out_dtype``.
 
 Layout
@@ -26,7 +26,12 @@ How
     output byte from its source fields (``tl.split`` of the code tile, shifts and ors), so a vector is
     read once and its code written once: per fp16 vector of ``dim`` elements ``2 dim`` bytes in and
     ``bits dim / 8 + 4 dim / group_size`` bytes out. Sizes that are not powers of two are padded to one
-    and masked. All address arithmetic is int64. With ``check=True`` each program also writes a flag
+    and masked. The two divisions of a group need no division instruction (``_scale_and_inverse``):
+    ``range / (2**bits - 1)`` is Brisebarre, Muller and Raina's division by a constant,
+    ``RN(r zh + RN(r zl))`` with ``zh + zl`` the constant's reciprocal split in two fp32 numbers, and
+    ``1 / scale`` one Newton step in fp64 from the fast fp32 reciprocal. Both return the correctly
+    rounded quotient: ``tests/test_affine_kernels.py`` checks the first for every fp32 significand and
+    the second for every fp16 scale. All address arithmetic is int64. With ``check=True`` each program also writes a flag
     (NaN/Inf input, fp16 overflow of a scale or zero) that the launcher reads once after the launch;
     ``check=False`` skips that host sync.
 
@@ -60,10 +65,64 @@ FP16_MAX = tl.constexpr(C.FP16_MAX)
 INF = tl.constexpr(float("inf"))
 FLAG_NONFINITE = tl.constexpr(1)  # a program's tile holds NaN or Inf
 FLAG_OVERFLOW = tl.constexpr(2)  # a group's scale or zero overflows fp16
-TILE_ELEMENTS = 4096  # default tile: elements per program (token axis)
-CHANNEL_PACK_TILE = 16384  # channel axis: 4 codes of 32 x 128 per program to encode, 2 to decode
+# Default launches, the fastest of a sweep on an H200 at 16M vectors of dim 128 (results/codec_launch_configs.csv):
+# elements per program, and warps. Encoding: one warp with a small tile (a group's reduction stays in the warp,
+# and many programs per SM hide the loads); decoding: four warps.
+TILE_ELEMENTS = 4096  # decoding, token axis (and per head of a mixed code)
+PACK_TILE = 1024  # encoding, token axis (and per head of a mixed code): 8 vectors of 128
+CHANNEL_PACK_TILE = {2: 8192, 3: 8192, 4: 4096, 8: 4096}  # encoding, channel axis, by bits: 2 or 1 codes of 32 x 128
 CHANNEL_UNPACK_TILE = 8192
+PACK_NUM_WARPS = 1
+UNPACK_NUM_WARPS = 4
 MAX_TILE_ELEMENTS = 1 << 16  # largest tile a launch may ask for (block_rows x elements per row)
+
+
+# ----------------------------------------------------------------------------- scale and inverse
+
+# 1 / (2**bits - 1) as ZH + ZL: ZH = RN(1 / L), ZL = RN(1 / L - ZH), fp32 values (RECIPROCAL_SPLIT[L] = (ZH, ZL))
+RECIPROCAL_SPLIT = {
+    3: (float.fromhex("0x1.555556p-2"), float.fromhex("-0x1.555556p-27")),
+    7: (float.fromhex("0x1.24924ap-3"), float.fromhex("-0x1.b6db6ep-28")),
+    15: (float.fromhex("0x1.111112p-4"), float.fromhex("-0x1.dddddep-29")),
+    255: (float.fromhex("0x1.010102p-8"), float.fromhex("-0x1.fdfdfep-33")),
+}
+ZH3, ZL3 = tl.constexpr(RECIPROCAL_SPLIT[3][0]), tl.constexpr(RECIPROCAL_SPLIT[3][1])
+ZH7, ZL7 = tl.constexpr(RECIPROCAL_SPLIT[7][0]), tl.constexpr(RECIPROCAL_SPLIT[7][1])
+ZH15, ZL15 = tl.constexpr(RECIPROCAL_SPLIT[15][0]), tl.constexpr(RECIPROCAL_SPLIT[15][1])
+ZH255, ZL255 = tl.constexpr(RECIPROCAL_SPLIT[255][0]), tl.constexpr(RECIPROCAL_SPLIT[255][1])
+
+
+@triton.jit
+def _divide_by_levels(b_r, LEVELS: tl.constexpr):
+    """``RN(b_r / LEVELS)`` in fp32 for fp32 ``b_r >= 0`` (below 2**-93 only up to fp16 rounding: the
+    quotient's fp16 is 0 either way), as ``RN(r ZH + RN(r ZL))``: the fused multiply-add is done in
+    fp64, where ``r ZH + RN(r ZL)`` is exact (a 48-bit product plus a 24-bit term within 53 bits), so
+    the one rounding is the final cast; the same arithmetic under the interpreter."""
+    if LEVELS == 3:
+        zh, zl = ZH3, ZL3
+    elif LEVELS == 7:
+        zh, zl = ZH7, ZL7
+    elif LEVELS == 15:
+        zh, zl = ZH15, ZL15
+    else:
+        zh, zl = ZH255, ZL255
+    return (b_r.to(tl.float64) * zh + (b_r * zl).to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _scale_and_inverse(b_lo, b_hi, LEVELS: tl.constexpr):
+    """A group's fp16 scale ``fp16(RN((hi - lo) / LEVELS))`` (as fp16 and as fp32) and ``RN(1 / scale)``
+    (0 where the scale is 0 or infinite). The inverse: ``r0`` the fast fp32 reciprocal (within 2 ulp),
+    one Newton step ``r0 (2 - s r0)`` in fp64 (``s r0`` is exact there) leaves it within 2**-44 of
+    ``1 / s``, and an fp16 ``s`` has an 11-bit significand, so ``1 / s`` is either exact in fp32 or at
+    least 2**-35 (relative) from every fp32 rounding boundary: the cast rounds it correctly."""
+    b_s16 = _divide_by_levels(b_hi - b_lo, LEVELS).to(tl.float16)
+    b_s = b_s16.to(tl.float32)
+    m_s = (b_s > 0) & (b_s < INF)
+    b_s1 = tl.where(m_s, b_s, 1.0)
+    b_r0 = tl.fdiv(tl.full(b_s1.shape, 1.0, tl.float32), b_s1).to(tl.float64)
+    b_r = (b_r0 * (2.0 - b_s1.to(tl.float64) * b_r0)).to(tl.float32)
+    return b_s16, b_s, tl.where(m_s, b_r, 0.0)
 
 
 # ----------------------------------------------------------------------------- bit fields
@@ -208,11 +267,9 @@ def _pack_token_rows(
     else:
         b_lo = tl.min(b_x, axis=2)  # [BLOCK_ROWS, BLOCK_G]
         b_hi = tl.max(b_x, axis=2)
-    b_s16 = tl.math.div_rn(b_hi - b_lo, LEVELS * 1.0).to(tl.float16)
+    b_s16, b_s, b_inv = _scale_and_inverse(b_lo, b_hi, LEVELS)
     b_z16 = b_lo.to(tl.float16)
-    b_s = b_s16.to(tl.float32)
     b_z = b_z16.to(tl.float32)
-    b_inv = tl.where(b_s > 0, tl.math.div_rn(1.0, tl.where(b_s > 0, b_s, 1.0)), 0.0)  # one IEEE division per group
     # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor.
     # Launched with enable_fp_fusion=False: the multiply and the add round separately, as in torch.
     b_q = (b_x - b_z[:, :, None]) * b_inv[:, :, None] + 0.5
@@ -484,11 +541,9 @@ def affine_pack_channel_kernel(
     else:
         b_lo = tl.min(b_x, axis=1)  # [BLOCK_CODES, BLOCK_D]
         b_hi = tl.max(b_x, axis=1)
-    b_s16 = tl.math.div_rn(b_hi - b_lo, LEVELS * 1.0).to(tl.float16)
+    b_s16, b_s, b_inv = _scale_and_inverse(b_lo, b_hi, LEVELS)
     b_z16 = b_lo.to(tl.float16)
-    b_s = b_s16.to(tl.float32)
     b_z = b_z16.to(tl.float32)
-    b_inv = tl.where(b_s > 0, tl.math.div_rn(1.0, tl.where(b_s > 0, b_s, 1.0)), 0.0)  # one IEEE division per channel
     # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor.
     # Launched with enable_fp_fusion=False: the multiply and the add round separately, as in torch.
     b_q = (b_x - b_z[:, None, :]) * b_inv[:, None, :] + 0.5
@@ -608,7 +663,8 @@ def _check_tunables(block_name: str, block, num_warps) -> None:
         C.check_int(block_name, block, minimum=1)
         if block & (block - 1):
             raise ValueError(f"{block_name} must be a power of two, got {block}")
-    C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16, 32))
+    if num_warps is not None:
+        C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16, 32))
 
 
 def _check_out_dtype(out_dtype) -> None:
@@ -643,7 +699,7 @@ def pack_affine(
     *,
     check: bool = True,
     block_rows: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Encode ``x`` exactly as ``AffineCodec(bits, group_size, axis).encode(x)``.
 
@@ -652,9 +708,10 @@ def pack_affine(
     (``code_bytes = affine_code_bytes(dim, bits, group_size, axis)``). A non-contiguous x is copied
     to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input or fp16-overflowing
     groups (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
-    ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two
-    (default: about 4096 elements per program on the token axis, 16384 on the channel axis, 4 codes of
-    32 x 128; the fastest on an H200), at most 65536 elements per program.
+    ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two, at most
+    65536 elements per program, and ``num_warps`` (default: about 1024 elements per program on the
+    token axis, 8 vectors of 128; on the channel axis 2 codes of 32 x 128 at 2 and 3 bits, 1 at 4 and
+    8; one warp; the fastest on an H200).
     """
     _check_codec(bits, group_size, axis)
     _check_tunables("block_rows", block_rows, num_warps)
@@ -676,7 +733,7 @@ def pack_affine(
         if n_rows == 0:
             return codes
         block_g = _pow2(dim // group_size)
-        block_rows = _rows_per_tile(block_rows, block_g * block_gs)
+        block_rows = _rows_per_tile(block_rows, block_g * block_gs, PACK_TILE)
         grid = (triton.cdiv(n_rows, block_rows),)
         flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
         affine_pack_token_kernel[grid](
@@ -684,7 +741,7 @@ def pack_affine(
             n_rows, dim, code_bytes,
             BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
             BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, CHECK=check,
-            num_warps=num_warps, enable_fp_fusion=False,
+            num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     else:
         tokens = x.shape[-2]
@@ -693,7 +750,7 @@ def pack_affine(
         if n_codes == 0:
             return codes
         block_d = _pow2(dim)
-        block_codes = _rows_per_tile(block_rows, block_gs * block_d, CHANNEL_PACK_TILE)
+        block_codes = _rows_per_tile(block_rows, block_gs * block_d, CHANNEL_PACK_TILE[bits])
         grid = (triton.cdiv(n_codes, block_codes),)
         flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
         affine_pack_channel_kernel[grid](
@@ -701,7 +758,7 @@ def pack_affine(
             n_codes,
             BITS=bits, GROUP_SIZE=group_size, DIM=dim,
             BLOCK_CODES=block_codes, BLOCK_GS=block_gs, BLOCK_D=block_d, CHECK=check,
-            num_warps=num_warps, enable_fp_fusion=False,
+            num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     if check:
         _raise_flags(flags)
@@ -717,7 +774,7 @@ def unpack_affine(
     out_dtype: torch.dtype = torch.float16,
     *,
     block_rows: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Decode ``pack_affine`` codes: ``q * scale + zero`` in fp32 (as ``AffineCodec.decode``), cast to out_dtype.
 
@@ -747,7 +804,7 @@ def unpack_affine(
             n_rows, code_bytes, dim,
             BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
             BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g,
-            num_warps=num_warps,
+            num_warps=num_warps or UNPACK_NUM_WARPS,
         )  # fmt: skip
         return out
     lead = codes.shape[:-1]
@@ -763,7 +820,7 @@ def unpack_affine(
         n_codes,
         BITS=bits, GROUP_SIZE=group_size, DIM=dim,
         BLOCK_CODES=block_codes, BLOCK_GS=block_gs, BLOCK_D=block_d,
-        num_warps=num_warps,
+        num_warps=num_warps or UNPACK_NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -847,7 +904,7 @@ def pack_affine_mixed(
     *,
     check: bool = True,
     block_rows: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Encode a layer's K (or V) ``[..., num_heads, dim]`` with per-head bits -> uint8 ``[..., bytes_per_token]``.
 
@@ -876,7 +933,7 @@ def pack_affine_mixed(
         return codes
     head_bits, head_offsets = layout.tables(x.device)
     block_gs, block_g = _pow2(layout.group_size), _pow2(layout.dim // layout.group_size)
-    block_rows = _rows_per_tile(block_rows, block_g * block_gs)
+    block_rows = _rows_per_tile(block_rows, block_g * block_gs, PACK_TILE)
     n_programs = triton.cdiv(n_tokens, block_rows) * layout.num_heads
     flags = torch.empty(n_programs if check else 1, dtype=torch.int32, device=x.device)
     affine_pack_mixed_kernel[(n_programs,)](
@@ -884,7 +941,7 @@ def pack_affine_mixed(
         n_tokens, layout.num_heads, x3.stride(0), x3.stride(1), layout.bytes_per_token,
         GROUP_SIZE=layout.group_size, NUM_GROUPS=layout.dim // layout.group_size,
         BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, ALIGN=layout.align, CHECK=check,
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     if check:
         _raise_flags(flags)
@@ -897,7 +954,7 @@ def unpack_affine_mixed(
     out_dtype: torch.dtype = torch.float16,
     *,
     block_rows: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Decode ``pack_affine_mixed`` codes ``[..., bytes_per_token]`` -> ``[..., num_heads, dim]`` (one launch)."""
     _check_layout(layout)
@@ -919,6 +976,6 @@ def unpack_affine_mixed(
         n_tokens, layout.num_heads, layout.bytes_per_token, layout.num_heads * layout.dim, layout.dim,
         GROUP_SIZE=layout.group_size, NUM_GROUPS=layout.dim // layout.group_size,
         BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, ALIGN=layout.align,
-        num_warps=num_warps,
+        num_warps=num_warps or UNPACK_NUM_WARPS,
     )  # fmt: skip
     return out

@@ -180,6 +180,79 @@ def test_rounding_boundaries_and_tiny_ranges(bits):
     assert_codes_equal(pack_affine(x, bits, 32), codec.encode(x))
 
 
+def _rn32(fraction):
+    """The fp32 nearest to a Fraction (ties to even), as a Python float."""
+    import fractions
+
+    import numpy as np
+
+    c = np.float32(float(fraction))
+    near = [np.nextafter(c, np.float32(-np.inf)), c, np.nextafter(c, np.float32(np.inf))]
+    return float(min(near, key=lambda v: (abs(fractions.Fraction(float(v)) - fraction), int(v.view(np.uint32)) & 1)))
+
+
+@pytest.mark.parametrize("levels", [3, 7, 15, 255])
+def test_division_by_levels_is_correctly_rounded(levels):
+    """The kernels' range / levels, RN(r ZH + RN(r ZL)) with the sum in fp64 (as ``_divide_by_levels``
+    computes it), equals the IEEE fp32 quotient for every significand (r in [1, 2)), and at other
+    exponents, down to where only the quotient's fp16 (0) has to agree."""
+    import fractions
+
+    import numpy as np
+
+    zh, zl = affine.RECIPROCAL_SPLIT[levels]
+    assert zh == _rn32(fractions.Fraction(1, levels)) and zl == _rn32(fractions.Fraction(1, levels) - fractions.Fraction(zh))
+
+    def kernel(r):
+        return (r.astype(np.float64) * zh + (r * np.float32(zl)).astype(np.float64)).astype(np.float32)
+
+    r = (np.arange(2**23, 2**24, dtype=np.float64) / 2**23).astype(np.float32)  # every significand
+    assert np.array_equal(kernel(r).view(np.uint32), (r / np.float32(levels)).view(np.uint32))
+    rng = np.random.default_rng(levels)
+    sample = r[rng.integers(0, r.size, 1 << 16)]
+    for e in (-90, -40, -1, 20, 100, 127):
+        x = np.ldexp(sample, e).astype(np.float32)
+        assert np.array_equal(kernel(x).view(np.uint32), (x / np.float32(levels)).view(np.uint32)), e
+    tiny = np.ldexp(sample, -120).astype(np.float32)  # below 2**-93 the product r ZL underflows
+    assert np.array_equal(kernel(tiny).astype(np.float16), (tiny / np.float32(levels)).astype(np.float16))
+    assert not np.any(kernel(tiny).astype(np.float16))
+
+
+def test_inverse_of_every_fp16_scale():
+    """The kernels' 1 / scale, one fp64 Newton step from any fp32 reciprocal within 2 ulp (what the GPU's
+    fast division gives), is the IEEE fp32 quotient for every positive finite fp16 scale."""
+    import numpy as np
+
+    s = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)  # 2**-24 .. 65504
+    exact = np.float32(1) / s
+    for k in (-2, -1, 0, 1, 2):
+        r0 = exact.copy()
+        for _ in range(abs(k)):
+            r0 = np.nextafter(r0, np.float32(np.inf if k > 0 else -np.inf))
+        r0 = r0.astype(np.float64)
+        r = (r0 * (2.0 - s.astype(np.float64) * r0)).astype(np.float32)
+        assert np.array_equal(r.view(np.uint32), exact.view(np.uint32)), k
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_scales_on_fp16_ties(bits):
+    """Group ranges whose quotient by the top level is exactly halfway between two fp16 scales (ties go
+    to the even one), and one fp32 ulp either side of it; every fp16 exponent of the scale."""
+    levels = 2**bits - 1
+    g = torch.Generator().manual_seed(bits)
+    m = torch.randint(1024, 2048, (24 * 8,), generator=g).double()
+    e = torch.arange(-14, 10).double().repeat_interleave(8)
+    tie = (m + 0.5) * 2.0 ** (e - 10)  # 12 significant bits: levels * tie is exact in fp32
+    r = (levels * tie).float()
+    r = torch.cat([r, torch.nextafter(r, r + 1), torch.nextafter(r, r - 1)])
+    x = torch.rand(r.numel(), 32, generator=g) * r[:, None]
+    x[:, 0], x[:, 1] = 0.0, r
+    codec = AffineCodec(bits, 32)
+    assert_codes_equal(pack_affine(x, bits, 32), codec.encode(x))
+    xc = x.reshape(-1, 32, 1).expand(-1, 32, 32).contiguous()  # the same ranges along the token axis
+    assert_codes_equal(pack_affine(xc, bits, 32, "channel"), AffineCodec(bits, 32, "channel").encode(xc))
+
+
 def test_empty_input():
     x = torch.randn(0, 128, dtype=torch.float16)
     codes = pack_affine(x, 4, 32)
