@@ -72,7 +72,14 @@ SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages
          dict(block_n=256, num_warps=8, num_stages=1, keys_as_rows=True),
          # affine: the dequantization in fp16 pairs
          dict(block_n=64, num_warps=4, fast=True), dict(block_n=64, num_warps=4, num_stages=1, fast=True),
-         dict(block_n=64, num_warps=4, fast=True, keys_as_rows=True), dict(block_n=128, num_warps=4, num_stages=1, fast=True)]
+         dict(block_n=64, num_warps=4, fast=True, keys_as_rows=True), dict(block_n=128, num_warps=4, num_stages=1, fast=True),
+         # one and two warps a program (MMAs of one warp), with more splits to fill the SMs
+         dict(block_n=32, num_warps=1, num_stages=1, prefetch=True, splits_factor=4),
+         dict(block_n=64, num_warps=1, num_stages=1, prefetch=True, splits_factor=4),
+         dict(block_n=64, num_warps=2, num_stages=1, prefetch=True, splits_factor=2),
+         dict(block_n=64, num_warps=2, num_stages=1, prefetch=True, keys_as_rows=True, splits_factor=2),
+         dict(block_n=64, num_warps=1, num_stages=1, fast=True, splits_factor=4),
+         dict(block_n=64, num_warps=2, num_stages=1, fast=True, splits_factor=2)]
 
 
 def bench(fn, rep=60):

@@ -113,6 +113,18 @@ def test_mse_decode_matches_reference(case, fast, loop, device):
     assert rel_err(out, expected) <= TOL
 
 
+@pytest.mark.parametrize("keys_as_rows", [False, True])
+@pytest.mark.parametrize("num_warps", [1, 2])
+def test_decode_on_one_and_two_warps(num_warps, keys_as_rows, device):
+    """Programs of one or two warps (compiled: the MMAs of one warp, not warpgroup MMAs), MSE and affine caches."""
+    for setup, case, extra in ((mse_setup, MSE_CASES[1], dict(prefetch=True)), (affine_setup, AFFINE_CASES[0], dict(fast=True))):
+        q, cache, block_table, seq_lens, kc, vc = setup(case, device)
+        expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+        out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=3, block_n=32, num_stages=1,
+                               num_warps=num_warps, keys_as_rows=keys_as_rows, **extra)
+        assert rel_err(out, expected) <= TOL, (setup.__name__, rel_err(out, expected))
+
+
 @pytest.mark.parametrize("fast", FAST)
 def test_mse_decode_without_norm_correction(fast, device):
     """Codecs without norm correction store the plain norm; the same kernel decodes them (c times the scale)."""
