@@ -22,7 +22,8 @@ Layout
 How
     Every program owns a tile of whole groups: ``[BLOCK_ROWS, groups, group_size]`` for the token axis
     (``BLOCK_ROWS`` vectors), ``[BLOCK_GROUPS, group_size, dim]`` for the channel axis (``BLOCK_GROUPS``
-    codes). It loads the tile once, reduces min/max per group in registers, quantizes, and builds each
+    codes); by default an encoder's program is one warp with a small tile (``PACK_TILE``,
+    ``CHANNEL_PACK_TILE``), a decoder's four warps. It loads the tile once, reduces min/max per group in registers, quantizes, and builds each
     output byte from its source fields (``tl.split`` of the code tile, shifts and ors), so a vector is
     read once and its code written once: per fp16 vector of ``dim`` elements ``2 dim`` bytes in and
     ``bits dim / 8 + 4 dim / group_size`` bytes out. Sizes that are not powers of two are padded to one
