@@ -98,8 +98,7 @@ def main():
                 rot_h = rot_m.half()
                 record("gemm", "fp16 x @ R, one tensor", "", {}, bench(lambda: x.view(-1, D) @ rot_h), n * D * 4)
             if rot == "haar":
-                configs = ([dict(block_rows=br, num_warps=w) for br in (32, 64, 128, 256) for w in (2, 4, 8)]
-                           if bits == 4 else [dict(block_rows=64, num_warps=4)])
+                configs = [dict(block_rows=br, num_warps=w) for br in (16, 32, 64, 128) for w in (1, 2, 4)]
                 timed("mse_load", "value, rotated space", bits, configs,
                       lambda **c: kvlab.load_mse(cache, slots, vc, part="value", check=False, **c),
                       n * layout.value_code_bytes + n * D * 2)

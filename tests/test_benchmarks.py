@@ -1,0 +1,28 @@
+"""The codec benchmark's smoke mode (tiny sizes, Triton interpreter): the script runs, checks and writes its files."""
+
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU run; on a GPU the benchmark itself runs")
+def test_bench_codecs_smoke_affine(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "benchmarks/bench_codecs.py", "--smoke", "--sizes", "1", "--only", "affine",
+                    "--out", str(tmp_path)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    rows = list(csv.DictReader(open(tmp_path / "codec_kernels_affine.csv")))
+    meta = json.loads((tmp_path / "codec_kernels_affine.json").read_text())
+    kernels = {(r["kernel"], r["variant"].split()[0], r["bits"]) for r in rows}
+    assert {("affine_pack", axis, b) for axis in ("token", "channel") for b in ("2", "3", "4", "8")} <= kernels
+    assert {("affine_mixed_pack", "heads", "mixed"), ("affine_mixed_unpack", "heads", "mixed")} <= kernels
+    assert not any(r["kernel"].startswith("mse") for r in rows), "--only affine timed MSE kernels"
+    assert meta["checks"] and all(meta["checks"].values()), meta["checks"]
+    assert not (tmp_path / "codec_kernels_affine.partial.csv").exists()
