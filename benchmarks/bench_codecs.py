@@ -210,10 +210,14 @@ def main():
             record("mse_load", "baseline: one program per vector", bits, n, ms, n * layout.value_code_bytes + n * DIM * 2)
             del cache
 
+        if args.only == "mse":
+            del x16, v16
+            continue
+
         # ---- affine pack / unpack
         flat = x16.view(n, DIM)
         by_head = x16.transpose(0, 1).contiguous()  # [heads, tokens, dim]: channel groups run along tokens
-        for axis in ("token", "channel") if args.only in (None, "affine") else ():
+        for axis in ("token", "channel"):
             x = flat if axis == "token" else by_head
             for bits in (2, 3, 4, 8):
                 gs = 32
@@ -230,9 +234,6 @@ def main():
                 del codes
 
         # ---- mixed per-head bits, one launch per layer
-        if args.only == "mse":
-            del x16, v16, flat, by_head
-            continue
         alloc = [4, 8] * (HEADS // 2)
         mixed = kvlab.MixedAffineLayout(alloc, DIM, 32)
         codes = kvlab.pack_affine_mixed(x16, mixed)

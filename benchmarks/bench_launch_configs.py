@@ -19,7 +19,6 @@ Fractions are of the copy bandwidth measured in the same run, over the bytes eac
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
+from benchmarks.common import write_csv  # noqa: E402
 
 D, H = 128, 8
 
@@ -57,7 +57,7 @@ def main():
     n = args.vectors << 20
     tokens = n // H
     x = torch.randn(tokens, H, D, device="cuda", dtype=torch.float16)
-    v = torch.randn_like(x)
+    v = torch.randn_like(x) if args.only in (None, "mse") else None  # the MSE store's values
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -65,11 +65,8 @@ def main():
 
     def record(kernel, variant, bits, cfg, ms, nbytes):
         rows.append(dict(kernel=kernel, variant=variant, bits=bits, config=" ".join(f"{k}={c}" for k, c in cfg.items()),
-                         n_vectors=n, dim=D, time_ms=ms, frac_copy=nbytes / ms / 1e6 / copy, **meta))
-        with open(path, "w", newline="") as f:  # every row as it is measured: a run cut short keeps them
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+                         n_vectors=n, dim=D, time_ms=ms, frac_copy=nbytes / ms / 1e6 / copy))
+        write_csv(path, rows, list(rows[0]), meta)  # every row as it is measured: a run cut short keeps them
         print(f"{kernel:12s} {variant:34s} b={bits!s:3s} {rows[-1]['config']:26s} {ms:8.3f} ms "
               f"{100 * rows[-1]['frac_copy']:6.1f} %", flush=True)
 

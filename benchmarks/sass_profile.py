@@ -5,9 +5,9 @@ configuration and ``check=False`` (as the benchmarks time them) under the Triton
 records the launch: argument types, which pointers and integers are multiples of 16 (Triton
 specialises on that), the compile-time constants and the launch options (``num_warps``, and
 ``num_stages`` and ``enable_fp_fusion`` where the launcher sets them: the decode launch sets its
-stages, the affine encoders turn fusion off). The recorded launches are then
-compiled ahead of time for sm_90 with Triton's own
-``ptxas`` and disassembled with ``nvdisasm`` (both ship with the triton wheel), and the SASS is counted.
+stages, the affine encoders turn fusion off). The recorded launches are then compiled ahead of time
+for sm_90 with Triton's own ``ptxas`` and disassembled with ``nvdisasm`` (both ship with the triton
+wheel), and the SASS is counted.
 
 Per kernel: registers per thread, shared memory per program, SASS instructions per program (a static
 count; the codec kernels have no loops, the decode kernel's split loop is counted once per step),

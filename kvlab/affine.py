@@ -23,18 +23,18 @@ How
     Every program owns a tile of whole groups: ``[BLOCK_ROWS, groups, group_size]`` for the token axis
     (``BLOCK_ROWS`` vectors), ``[BLOCK_GROUPS, group_size, dim]`` for the channel axis (``BLOCK_GROUPS``
     codes); by default an encoder's program is one warp with a small tile (``PACK_TILE``,
-    ``CHANNEL_PACK_TILE``), a decoder's four warps. It loads the tile once, reduces min/max per group in registers, quantizes, and builds each
-    output byte from its source fields (``tl.split`` of the code tile, shifts and ors), so a vector is
-    read once and its code written once: per fp16 vector of ``dim`` elements ``2 dim`` bytes in and
-    ``bits dim / 8 + 4 dim / group_size`` bytes out. Sizes that are not powers of two are padded to one
-    and masked. The two divisions of a group need no division instruction (``_scale_and_inverse``):
-    ``range / (2**bits - 1)`` is Brisebarre, Muller and Raina's division by a constant,
-    ``RN(r zh + RN(r zl))`` with ``zh + zl`` the constant's reciprocal split in two fp32 numbers, and
-    ``1 / scale`` one Newton step in fp64 from the fast fp32 reciprocal. Both return the correctly
-    rounded quotient: ``tests/test_affine_kernels.py`` checks the first for every fp32 significand and
-    the second for every fp16 scale. All address arithmetic is int64. With ``check=True`` each program also writes a flag
-    (NaN/Inf input, fp16 overflow of a scale or zero) that the launcher reads once after the launch;
-    ``check=False`` skips that host sync.
+    ``CHANNEL_PACK_TILE``), a decoder's four warps. It loads the tile once, reduces min/max per group
+    in registers, quantizes, and builds each output byte from its source fields (``tl.split`` of the
+    code tile, shifts and ors), so a vector is read once and its code written once: per fp16 vector of
+    ``dim`` elements ``2 dim`` bytes in and ``bits dim / 8 + 4 dim / group_size`` bytes out. Sizes that
+    are not powers of two are padded to one and masked. The two divisions of a group need no division
+    instruction (``_scale_and_inverse``): ``range / (2**bits - 1)`` is Brisebarre, Muller and Raina's
+    division by a constant, ``RN(r zh + RN(r zl))`` with ``zh + zl`` the constant's reciprocal split in
+    two fp32 numbers, and ``1 / scale`` one Newton step in fp64 from the fast fp32 reciprocal. Both
+    return the correctly rounded quotient: ``tests/test_affine_kernels.py`` checks the first for every
+    fp32 significand and the second for every fp16 scale. All address arithmetic is int64. With
+    ``check=True`` each program also writes a flag (NaN/Inf input, fp16 overflow of a scale or zero)
+    that the launcher reads once after the launch; ``check=False`` skips that host sync.
 
 Reference
     ``kvlab.reference.AffineCodec`` (this module does not import it); tests in
@@ -66,9 +66,9 @@ FP16_MAX = tl.constexpr(C.FP16_MAX)
 INF = tl.constexpr(float("inf"))
 FLAG_NONFINITE = tl.constexpr(1)  # a program's tile holds NaN or Inf
 FLAG_OVERFLOW = tl.constexpr(2)  # a group's scale or zero overflows fp16
-# Default launches, the fastest of a sweep on an H200 at 16M vectors of dim 128 (results/codec_launch_configs.csv):
-# elements per program, and warps. Encoding: one warp with a small tile (a group's reduction stays in the warp,
-# and many programs per SM hide the loads); decoding: four warps.
+# Default launches (elements per program, and warps), the fastest of sweeps on an H200 at dim 128. Encoding
+# (results/codec_launch_configs_affine.csv, 16M vectors): one warp with a small tile (a group's reduction stays
+# in the warp, and many programs per SM hide the loads); decoding (results/codec_launch_configs.csv): four warps.
 TILE_ELEMENTS = 4096  # decoding, token axis (and per head of a mixed code)
 PACK_TILE = 1024  # encoding, token axis (and per head of a mixed code): 8 vectors of 128
 CHANNEL_PACK_TILE = {2: 8192, 3: 8192, 4: 4096, 8: 4096}  # encoding, channel axis, by bits: 2 or 1 codes of 32 x 128
