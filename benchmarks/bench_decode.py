@@ -3,8 +3,8 @@
 One run: optionally runs ``tests/test_decode.py`` and ``tests/test_centered.py`` compiled on this GPU
 (or records the log of a run made just before), measures the device copy bandwidth, checks
 ``decode_attention`` against the reference at a few thousand tokens, with ``--sweep`` times the
-launch configurations of ``SWEEP`` at the headline shape (batch 8, context 32k; the fastest of each
-codec are the library's ``launch_defaults``), then times every grid point: batch
+launch configurations of ``SWEEP`` at the headline shape (batch 8, context 32k; the fastest split-loop
+configuration of each codec is the library's ``launch_defaults``), then times every grid point: batch
 1/8/32 x context 1k/4k/16k/32k/128k, 32 query heads, 8 KV heads, head dim 128, for the MSE codec at
 K4V4, K3V3, K2V2, the centred-key MSE codec at K4V4 (keys around a RoPE-turned mean: one more score
 term per key, ``rope_mean_scores``) and the affine codec (groups of 32) at K4V4 and K8V8, against
@@ -12,11 +12,12 @@ term per key, ``rope_mean_scores``) and the affine codec (groups of 32) at K4V4 
 in the same run: at each grid point the fastest of the ways SDPA can run it (``sdpa_variants``: the query group
 of a KV head as SDPA's query axis, or one query row per head with ``enable_gqa``, each with torch's choice of
 kernel and with each backend forced; no head is copied), named in the CSV's ``config``. The grid
-runs each codec's ``launch_defaults`` (what a caller who sets no launch argument gets), or with
-``--sweep`` the fastest configuration of the sweep.
+runs what a caller who sets no launch argument gets (for 4-bit MSE keys and values the loop of
+``kvlab.decode_mma``, else the split loop at its ``launch_defaults``; the CSV's ``config`` says which),
+or with ``--sweep`` the fastest configuration of the sweep.
 
 Timings are medians of ``triton.testing.do_bench`` of the whole entry point (query rotation GEMM,
-split kernel, merge kernel, output rotation GEMM), called from Python as a user would: where the GPU
+split-loop kernel, merge kernel, output rotation GEMM), called from Python as a user would: where the GPU
 work is shorter than the host's launch work, that is what is timed. Each grid point is also timed
 replayed from a CUDA graph (``do_bench_cudagraph``, as serving engines run decode), which removes the
 host's share, and the host time per call is recorded (calls enqueued back to back).
@@ -79,7 +80,8 @@ SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages
          dict(block_n=64, num_warps=2, num_stages=1, prefetch=True, splits_factor=2),
          dict(block_n=64, num_warps=2, num_stages=1, prefetch=True, keys_as_rows=True, splits_factor=2),
          dict(block_n=64, num_warps=1, num_stages=1, fast=True, splits_factor=4),
-         dict(block_n=64, num_warps=2, num_stages=1, fast=True, splits_factor=2)]
+         dict(block_n=64, num_warps=2, num_stages=1, fast=True, splits_factor=2),
+         dict(mma=True), dict(mma=True, splits_factor=0.5), dict(mma=True, splits_factor=2)]
 
 
 def bench(fn, rep=60):
@@ -197,6 +199,25 @@ def random_cache(kind, layout, batch, context):
     return cache, block_table, seq_lens
 
 
+def grid_launch(cfg, kind, kb, vb, q, batch, context):
+    """(launch arguments, description) of a grid point: ``cfg`` from the sweep, or None for the library's own
+    choice (no launch argument), described by the loop and launch it takes."""
+    if cfg is not None:
+        kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
+        base = (kvlab.decode._mma_splits(batch, HKV, context, q.device) if cfg.get("mma")
+                else kvlab.decode._default_splits(batch, HKV, context, kw["block_n"], q.device))
+        kw["num_splits"] = max(1, round(base * cfg.get("splits_factor", 1)))
+        return kw, " ".join(f"{k}={v}" for k, v in kw.items())
+    k_codec = codecs(kind, kb, vb)[0]
+    k_codec = k_codec.mse if kind == "centered" else k_codec
+    v_codec = codecs(kind, kb, vb)[1]
+    if kvlab.decode._mma_unsupported(q, HKV, kind, None if kind != "centered" else k_codec, k_codec, v_codec) is None:
+        return {}, f"mma=True num_splits={kvlab.decode._mma_splits(batch, HKV, context, q.device)}"
+    tuned = kvlab.decode.launch_defaults(kind, max(kb, vb))
+    splits = kvlab.decode._default_splits(batch, HKV, context, tuned["block_n"], q.device)
+    return {}, " ".join(f"{k}={v}" for k, v in tuned.items()) + f" num_splits={splits}"
+
+
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -227,6 +248,9 @@ def correctness_checks(codec_list=CODECS):
         q = torch.randn(len(lens), HQ, DIM, device="cuda", generator=g, dtype=torch.float16)
         expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
         checks[f"{kind}_k{kb}v{vb}_rel_err"] = rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc), expected)
+        if (kind, kb, vb) == ("mse", 4, 4):  # the default is the loop of kvlab.decode_mma; the split loop too
+            checks[f"{kind}_k{kb}v{vb}_split_loop_rel_err"] = rel_err(
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, mma=False), expected)
         if kind == "mse":
             checks[f"{kind}_k{kb}v{vb}_generic_rel_err"] = rel_err(
                 decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=False), expected)
@@ -288,7 +312,7 @@ def main():
     total_mem = torch.cuda.get_device_properties(0).total_memory
 
     # ---- launch configurations at the headline shape
-    best = {c: kvlab.decode.launch_defaults(c[0], max(c[1], c[2])) for c in codec_list}
+    best = {c: None for c in codec_list}  # None: no launch argument, the library's own choice
     b, L = HEADLINE
     sweep_rows = []
     for kind, kb, vb in codec_list if args.sweep else []:
@@ -296,14 +320,18 @@ def main():
         cache, block_table, seq_lens = random_cache(kind, layout, b, L)
         q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
         default_splits = kvlab.decode._default_splits(b, HKV, L, 64, q.device)
+        mma_splits = kvlab.decode._mma_splits(b, HKV, L, q.device)
         times = {}
         for cfg in SWEEP:
             if cfg.get("prefetch") and kind == "affine":
                 continue  # the affine path is not pipelined
             if "fast" in cfg and kind != "affine":
                 continue  # the MSE path is fast by default
+            if cfg.get("mma") and (kind, kb, vb) != ("mse", 4, 4):
+                continue  # the loop of kvlab.decode_mma: 4-bit MSE keys and values
             kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
-            kw["num_splits"] = max(1, round(default_splits * cfg.get("splits_factor", 1)))
+            base_splits = mma_splits if cfg.get("mma") else default_splits
+            kw["num_splits"] = max(1, round(base_splits * cfg.get("splits_factor", 1)))
             try:
                 ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw))
             except Exception as e:  # a configuration that does not compile or fit
@@ -313,7 +341,7 @@ def main():
             sweep_rows.append(dict(codec=kind, key_bits=kb, value_bits=vb, config=str(cfg), num_splits=kw["num_splits"], time_ms=ms))
             print(f"  sweep {kind} k{kb}v{vb} {cfg} splits={kw['num_splits']}: {ms:.4f} ms", flush=True)
         best[(kind, kb, vb)] = dict(min(times, key=times.get))
-        if kind == "mse":  # the generic unpack (shifts and a gathered centroid) at the best configuration
+        if kind == "mse" and not best[(kind, kb, vb)].get("mma"):  # the generic unpack at the best configuration
             cfg = best[(kind, kb, vb)]
             kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
             kw["num_splits"] = max(1, round(default_splits * cfg.get("splits_factor", 1)))
@@ -327,10 +355,11 @@ def main():
         write_csv(Path(args.out) / "decode_attention_sweep.csv", sweep_rows,
                   ["codec", "key_bits", "value_bits", "config", "num_splits", "time_ms"],
                   dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"], date=meta["date"], batch=b, context=L))
-    meta["launch"] = "fastest of the sweep" if args.sweep else "launch_defaults"
-    meta["configs"] = {f"{k[0]}_k{k[1]}v{k[2]}": v for k, v in best.items()}
+    meta["launch"] = "fastest of the sweep" if args.sweep else "the library's choice (no launch argument)"
+    meta["configs"] = {f"{k[0]}_k{k[1]}v{k[2]}": v or "library default" for k, v in best.items()}
     meta["compiled"] = [dict(key=str(k)[:300], n_regs=v.n_regs, n_spills=v.n_spills)
-                        for cache_ in kvlab.decode._decode_split_kernel.device_caches.values() for k, v in cache_[0].items()]
+                        for fn in (kvlab.decode._decode_split_kernel, kvlab.decode_mma.decode_mma_kernel)
+                        for cache_ in fn.device_caches.values() for k, v in cache_[0].items()]
     for c in meta["compiled"]:
         print("  compiled: regs", c["n_regs"], "spills", c["n_spills"], c["key"][:160], flush=True)
 
@@ -376,9 +405,7 @@ def main():
             try:
                 cache, block_table, seq_lens = random_cache(kind, layout, b, L)
                 q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
-                cfg = best[(kind, kb, vb)]
-                kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
-                kw["num_splits"] = max(1, round(kvlab.decode._default_splits(b, HKV, L, kw["block_n"], q.device) * cfg.get("splits_factor", 1)))
+                kw, config = grid_launch(best[(kind, kb, vb)], kind, kb, vb, q, b, L)
                 fn = lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw)  # noqa: E731
                 ms, graph_ms = bench(fn), bench_graph(fn)
                 if (b, L) == HEADLINE:  # where the time of one call goes, kernel by kernel
@@ -386,7 +413,7 @@ def main():
                         meta.setdefault("breakdown_us", {})[f"{kind}_k{kb}v{vb}"] = kernel_breakdown(fn)
                     except Exception as e:  # a profiler that cannot see the device
                         meta.setdefault("breakdown_us", {})[f"{kind}_k{kb}v{vb}"] = {"error": f"{type(e).__name__}: {e}"[:200]}
-                rows.append(dict(row, status="ok", time_ms=ms, bytes=need, config=" ".join(f"{k}={v}" for k, v in kw.items()),
+                rows.append(dict(row, status="ok", time_ms=ms, bytes=need, config=config,
                                  speedup_vs_sdpa=sdpa_ms / ms if sdpa_ms else None, time_graph_ms=graph_ms,
                                  speedup_graph_vs_sdpa=sdpa_graph_ms / graph_ms if sdpa_ms and sdpa_graph_ms and graph_ms else None,
                                  host_ms=host_ms(fn)))

@@ -155,6 +155,21 @@ def _record(out: str, only: set[str]) -> None:
                                 ("decode split step, keys as rows, 128 keys", dict(plain, keys_as_rows=True, block_n=128))):
                 case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
                      per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes, compiled=dict(FAST=True))
+        # the loop of kvlab.decode_mma (4-bit MSE, Gluon: the interpreter cannot run it, so the launch that
+        # decode_attention makes on a GPU is written here); one trip of its loop is two steps of STEP keys
+        from kvlab import decode_mma
+
+        layout = kvlab.MSESlot(DIM, 4, 4)
+        runtime = dict(q_ptr="*fp16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", o_part_ptr="*fp32",
+                       ml_part_ptr="*fp32") | {name: "i32" for name in decode_mma._RUNTIME[6:]}
+        constants = dict(HQ=hq, HKV=HEADS, BLOCK_SIZE=block, D=DIM, KEY_NORM_OFFSET=layout.key_norm_offset,
+                         VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=layout.value_norm_offset, BG=8,
+                         KEY_WORDS="key_words_layout", VALUE_WORDS="value_words_layout")
+        keys = 2 * decode_mma.STEP
+        launches.append(dict(module="kvlab.decode_mma", kernel="decode_mma_kernel", case="decode mma trip", bits=4,
+                             signature=runtime | {k: "constexpr" for k in constants}, constants=constants, aligned=[],
+                             options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8)), programs=1,
+                             bytes=keys * layout.slot_bytes, keys_per_trip=keys))
         # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
         # one (fast=True, which the interpreter cannot run without a PTX emulator: the same launch, marked)
         from kvlab.decode import AffineSlot
@@ -190,9 +205,15 @@ def _sass(launch: dict) -> tuple[str, str]:
     for name, value in (("INTERPRETED", False), ("SPLIT_STEPS", None), ("INTERPRETED_TILES", 0), ("BF16_BY_BITS", False)):
         if name in const:
             const[name] = value  # what the launchers pass when compiled
-    fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    module = importlib.import_module(launch["module"])
+    fn = getattr(module, launch["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["aligned"]}
-    options = {k: v for k, v in launch["options"].items() if k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")}
+    options = {k: v for k, v in launch["options"].items()
+               if k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") and v is not None}
+    if getattr(fn, "is_gluon", lambda: False)():  # layouts are recorded by the name of the function that builds them
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
+        const = {k: getattr(module, v)(const["D"]) if isinstance(v, str) and v.endswith("_layout") else v for k, v in const.items()}
     compiled = triton.compile(ASTSource(fn, launch["signature"], const, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,7 +256,7 @@ def _access_bytes(op: str) -> int:
 
 def profile(launch: dict) -> dict:
     sass, usage = _sass(launch)
-    loop = launch["kernel"] == "_decode_split_kernel" or launch["constants"].get("MODEL")
+    loop = launch["kernel"] in ("_decode_split_kernel", "decode_mma_kernel") or launch["constants"].get("MODEL")
     ops = _opcodes(_loop_body(sass) if loop else sass.splitlines())
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(re.search(r"SHARED:(\d+)", usage).group(1))
@@ -262,9 +283,10 @@ def profile(launch: dict) -> dict:
         # with an instruction issued every clock
         instructions_per_byte=instr * warps / bytes_per_program,
         issue_ceiling_gbps=ISSUE_PER_CLOCK * SM_COUNT * CLOCK_GHZ / (instr * warps / bytes_per_program),
-        per=("step of BLOCK_N keys" if launch["kernel"] == "_decode_split_kernel" else "tile of BLOCK_ROWS rows") if loop
+        per=("step of BLOCK_N keys" if launch["kernel"] == "_decode_split_kernel" else
+             "trip of two steps" if launch["kernel"] == "decode_mma_kernel" else "tile of BLOCK_ROWS rows") if loop
         else "program",
-        block_n=launch["constants"].get("BLOCK_N"),
+        block_n=launch.get("keys_per_trip") or launch["constants"].get("BLOCK_N"),
     )
 
 

@@ -34,6 +34,10 @@ What
     Split-KV (flash-decoding): the keys of a sequence are cut into ``num_splits`` ranges; one program
     per (sequence, KV head, range) computes an unnormalised partial output with its running maximum and
     sum (base-2 online softmax), and a second kernel merges the ranges with a log-sum-exp reduction.
+    Two loops compute the partial outputs: for 4-bit MSE keys and values on a GPU (dim 64 or 128, at
+    most 16 query heads per KV head) by default the one of ``kvlab.decode_mma`` (Gluon: every tile is
+    dequantized in the register layout of an ``mma.sync`` operand, none goes through shared memory),
+    otherwise the split loop below (``_decode_split_kernel``); ``mma=`` chooses.
 
     ``prefill_attention`` is the continuation-prefill path (several new tokens per sequence whose keys
     and values are already in the cache): it materialises model-space K/V of the whole context, the
@@ -59,7 +63,7 @@ Layouts
     past a sequence's last block are never read), ``seq_lens`` ``[batch]`` counts each sequence's cached
     tokens (1 .. ``max_blocks * block_size``).
 
-How (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per step)
+How, the split loop (one program: a sequence, a KV head, a range of keys; ``BLOCK_N`` keys per step)
     * The query group of a KV head (``num_q_heads / num_kv_heads`` rows) is padded to 16 rows, so that
       each dequantized ``[BLOCK_N, dim]`` tile feeds one ``tl.dot`` for the scores and one for the
       output, shared by the whole group. ``keys_as_rows=True`` computes the transposed products
@@ -109,6 +113,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
+from . import decode_mma
 from .affine import affine_code_bytes, pack_affine, unpack_affine
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .centered import load_centered_mse
@@ -794,6 +799,76 @@ def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, 
     return max(1, min(want, _cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) -> str | None:
+    """Why the loop of ``kvlab.decode_mma`` cannot run this call, or None."""
+    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "a CUDA GPU (Triton's interpreter cannot run Gluon kernels)"
+    if _capability(q.device) < (8, 0):
+        return "a GPU of compute capability 8.0 or later (mma.sync m16n8k16)"
+    if kind != "mse" or centered is not None or (key_codec.bits, value_codec.bits) != (4, 4):
+        return "MSE key and value codecs of 4 bits each (not centred keys)"
+    if q.shape[-1] not in decode_mma.DIMS:
+        return f"a head dim in {decode_mma.DIMS}, got {q.shape[-1]}"
+    if q.shape[-2] // num_kv_heads > decode_mma.MAX_GROUP:
+        return f"at most {decode_mma.MAX_GROUP} query heads per KV head, got {q.shape[-2] // num_kv_heads}"
+    if _prmt_tables(key_codec) is None or _prmt_tables(value_codec) is None:
+        return "symmetric fp16 codebooks (the byte-permute lookup)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
+    want = _cdiv(decode_mma.PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
+    return max(1, min(want, _cdiv(capacity, MIN_SPLIT_TOKENS)))
+
+
+def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity):
+    """``decode_attention`` through ``kvlab.decode_mma.decode_mma_kernel`` (inputs checked), then the merge."""
+    batch, num_q_heads, dim = q.shape
+    num_kv_heads = cache.shape[2]
+    device = q.device
+    layout = MSESlot(dim, 4, 4)
+    assert layout.value_offset % 4 == 2, layout
+    q_scale = scale * LOG2E
+    rot_k = _cached(key_codec, ("mma_query_rotation", device, q_scale), key_codec.rotation,
+                    lambda r: (r.to(device=device, dtype=torch.float32)[:, decode_mma.query_order(dim).to(device)]
+                               * q_scale).contiguous())
+    order_v = _cached(value_codec, ("mma_output_order", device), value_codec.centroids,
+                      lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
+    q_in = torch.matmul(q.float(), rot_k).to(torch.float16)
+    if num_splits is None:
+        num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
+    split_len = _cdiv(_cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
+    num_splits = _cdiv(capacity, split_len)
+    o_part = torch.empty(batch, num_q_heads, num_splits, dim, dtype=torch.float32, device=device)
+    ml_part = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
+    out = torch.empty(batch, num_q_heads, dim, dtype=torch.float32, device=device)
+    if batch == 0:
+        return out.to(q.dtype)
+    group_rows = max(8, _next_power_of_2(num_q_heads // num_kv_heads))
+    extra = {} if decode_mma.num_registers(group_rows) is None else dict(maxnreg=decode_mma.num_registers(group_rows))
+    other_gpu = device.index not in (None, torch.cuda.current_device())
+    with torch.cuda.device(device) if other_gpu else _nullcontext():
+        decode_mma.launch(
+            (batch * num_kv_heads, num_splits),
+            (q_in, cache, block_table, seq_lens, o_part, ml_part, *_prmt_tables(key_codec), *_prmt_tables(value_codec),
+             split_len, num_splits, block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2)),
+            dict(HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=cache.shape[1], D=dim, KEY_NORM_OFFSET=layout.key_norm_offset,
+                 VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=layout.value_norm_offset, BG=group_rows,
+                 KEY_WORDS=decode_mma.key_words_layout(dim), VALUE_WORDS=decode_mma.value_words_layout(dim)),
+            dict(num_warps=1, **extra),
+        )  # fmt: skip
+        _merge_splits_kernel[(batch * num_q_heads,)](
+            o_part, ml_part, order_v, out, num_splits, D=dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), num_warps=4,
+        )  # fmt: skip
+    return _to_model_space(out, value_codec).to(q.dtype)
+
+
 def decode_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -813,6 +888,7 @@ def decode_attention(
     position_offset: int = 0,
     prefetch: bool | None = None,
     keys_as_rows: bool | None = None,
+    mma: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged quantized cache: ``[batch, num_q_heads, dim]``.
 
@@ -839,6 +915,13 @@ def decode_attention(
     ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
     ``check=False`` never syncs and reads whatever blocks the table names.
 
+    ``mma`` picks the loop: ``True`` the loop of ``kvlab.decode_mma`` (4-bit MSE keys and values, dim 64
+    or 128, at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the
+    tiles are dequantized in the tensor cores' register operands), ``False`` the split loop above
+    (``_decode_split_kernel``). ``None`` (the default) takes the first wherever it applies and no
+    launch argument of the split loop (``block_n``, ``num_warps``, ``num_stages``, ``max_registers``,
+    ``fast``, ``prefetch``, ``keys_as_rows``) is given; ``num_splits`` applies to both.
+
     Centred keys (``key_codec`` a ``kvlab.centered_reference.CenteredMSECodec`` with ``num_heads =
     num_kv_heads``, MSE values): the cache is the same MSE cache (``store_centered_mse`` writes it). The
     query is scaled by the key scale of its KV head before its rotation; with ``rope`` every score also
@@ -854,6 +937,8 @@ def decode_attention(
         raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
     kind = _check_codecs(key_codec, value_codec, dim)
     centered, key_codec = _split_centered(key_codec, position_offset)
+    split_args = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, max_registers=max_registers, fast=fast,
+                      prefetch=prefetch, keys_as_rows=keys_as_rows)
     tuned = launch_defaults("centered" if centered is not None else kind, max(key_codec.bits, value_codec.bits))
     block_n = tuned["block_n"] if block_n is None else block_n
     num_warps = tuned["num_warps"] if num_warps is None else num_warps
@@ -871,6 +956,19 @@ def decode_attention(
         scale = dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    if mma is not None and not isinstance(mma, bool):
+        raise TypeError(f"mma must be a bool or None, got {type(mma).__name__}")
+    if mma is not False:
+        why_not = _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec)
+        given = [k for k, v in split_args.items() if v is not None]
+        if mma and why_not:
+            raise ValueError(f"mma=True needs {why_not}")
+        if mma and given:
+            raise ValueError(f"mma=True takes none of the split loop's launch arguments, got {', '.join(given)}")
+        if why_not is None and not given:
+            if num_splits is not None:
+                C.check_int("num_splits", num_splits, minimum=1)
+            return _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity)
     C.check_int("block_n", block_n, (16, 32, 64, 128, 256))
     C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16))
     if num_stages is not None:

@@ -474,35 +474,50 @@ def _store_mse_kernel(
 
 # ----------------------------------------------------------------------------- lookups (inline PTX)
 
-# Each block: $0..$3 fp16 pairs of eight consecutive tile positions; inputs: the packed word, then
-# four table registers.
-_LOOKUP4 = tl.constexpr("""{
+def lookup4_ptx(word: str, outs, pair_selectors=("0x5140", "0x7362"), tables=("$5", "$6", "$7", "$8")) -> str:
+    """PTX block of the 4-bit lookup: the eight 4-bit indices of the 32-bit register ``word`` -> four fp16
+    pairs ``outs`` (register names), from the byte planes of the 8 codebook magnitudes in ``tables``
+    (low bytes of entries 0-3, 4-7, high bytes 0-3, 4-7).
+
+    The magnitude ``(i ^ ~sign) & 7`` (codebook symmetric: ``c[i] = -c[15 - i]``) selects, by one
+    ``prmt`` per plane and four indices, the low and the high byte; a sign-replicating ``prmt`` of the
+    word (and the word shifted by 4) puts each index's top bit, the sign, on its high byte. The last
+    four ``prmt`` interleave low and high bytes into fp16 pairs: with ``pair_selectors`` ``0x5140`` /
+    ``0x7362`` output ``j`` holds indices ``2 j, 2 j + 1``; with ``0x6240`` / ``0x7351`` it holds
+    indices ``j'`` and ``j' + 2`` (``j' = j + 2 (j // 2)``)."""
+    T, (s0, s1) = tables, pair_selectors
+    return f"""{{
 .reg .b32 t, m, mh, s, sl, sh, l0, h0, l1, h1;
-shr.b32 t, $4, 3;
+shr.b32 t, {word}, 3;
 and.b32 t, t, 0x11111111;
 mul.lo.u32 t, t, 7;
-xor.b32 m, $4, t;
+xor.b32 m, {word}, t;
 not.b32 m, m;
 and.b32 m, m, 0x77777777;
 shr.b32 mh, m, 16;
-prmt.b32 l0, $5, $6, m;
-prmt.b32 h0, $7, $8, m;
-prmt.b32 l1, $5, $6, mh;
-prmt.b32 h1, $7, $8, mh;
-shl.b32 s, $4, 4;
-prmt.b32 sl, s, $4, 0xD9C8;
-prmt.b32 sh, s, $4, 0xFBEA;
+prmt.b32 l0, {T[0]}, {T[1]}, m;
+prmt.b32 h0, {T[2]}, {T[3]}, m;
+prmt.b32 l1, {T[0]}, {T[1]}, mh;
+prmt.b32 h1, {T[2]}, {T[3]}, mh;
+shl.b32 s, {word}, 4;
+prmt.b32 sl, s, {word}, 0xD9C8;
+prmt.b32 sh, s, {word}, 0xFBEA;
 not.b32 sl, sl;
 and.b32 sl, sl, 0x80808080;
 or.b32 h0, h0, sl;
 not.b32 sh, sh;
 and.b32 sh, sh, 0x80808080;
 or.b32 h1, h1, sh;
-prmt.b32 $0, l0, h0, 0x5140;
-prmt.b32 $1, l0, h0, 0x7362;
-prmt.b32 $2, l1, h1, 0x5140;
-prmt.b32 $3, l1, h1, 0x7362;
-}""")
+prmt.b32 {outs[0]}, l0, h0, {s0};
+prmt.b32 {outs[1]}, l0, h0, {s1};
+prmt.b32 {outs[2]}, l1, h1, {s0};
+prmt.b32 {outs[3]}, l1, h1, {s1};
+}}"""
+
+
+# Each block: $0..$3 fp16 pairs of eight consecutive tile positions; inputs: the packed word, then
+# four table registers.
+_LOOKUP4 = tl.constexpr(lookup4_ptx("$4", ("$0", "$1", "$2", "$3")))
 
 _LOOKUP3 = tl.constexpr("""{
 .reg .b32 a, b, x, xh, l0, h0, l1, h1;

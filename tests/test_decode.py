@@ -231,6 +231,93 @@ def test_longer_context_default_launch(device):
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
 
 
+# the loop of kvlab.decode_mma (4-bit MSE keys and values): batch lengths, q heads, kv heads, dim, block size, rotation
+MMA_CASES = [
+    ([1], 4, 4, 64, 16, "haar"),  # one cached token, GQA ratio 1
+    ([37, 100, 1], 8, 2, 128, 16, "haar"),  # mixed lengths, not multiples of the block size, ratio 4
+    ([45, 130], 16, 2, 64, 8, "hadamard"),  # ratio 8, blocks shorter than a step: a block-table entry per key
+    ([300, 77], 32, 2, 128, 32, "haar"),  # ratio 16, two steps a block
+    ([517], 8, 1, 128, 16, "hadamard"),  # one KV head, a long split
+]
+MMA_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-bs{c[4]}-{c[5]}" for c in MMA_CASES]
+
+
+@pytest.mark.skipif(not CUDA, reason="Gluon kernels run on a GPU only (Triton's interpreter cannot run them)")
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("case", MMA_CASES, ids=MMA_IDS)
+def test_mma_decode_matches_reference(case, num_splits, device):
+    lens, hq, hkv, dim, block_size, rotation = case
+    q, cache, block_table, seq_lens, kc, vc = mse_setup((lens, hq, hkv, dim, 4, 4, block_size, rotation), device)
+    for dtype in (torch.float16, torch.bfloat16):
+        expected = ref.decode_attention_reference(q.to(dtype).float(), cache, block_table, seq_lens, kc, vc, scale=0.2)
+        out = decode_attention(q.to(dtype), cache, block_table, seq_lens, kc, vc, scale=0.2, num_splits=num_splits, mma=True)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert rel_err(out, expected) <= TOL, (dtype, rel_err(out, expected))
+
+
+def test_mma_loop_choice(device, monkeypatch):
+    """mma=None takes the loop of kvlab.decode_mma exactly where it applies and no split-loop argument is
+    given; mma=True says why it cannot run; mma=False never takes it."""
+    q, cache, block_table, seq_lens, kc, vc = mse_setup(([40, 7], 8, 2, 64, 4, 4, 16, "haar"), device)
+    calls = []
+    original = kvlab.decode._decode_mma
+    monkeypatch.setattr(kvlab.decode, "_decode_mma", lambda *a: calls.append(1) or original(*a))
+    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+    assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
+    assert len(calls) == (1 if CUDA else 0)
+    assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, block_n=32), expected) <= TOL
+    assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=False), expected) <= TOL
+    assert len(calls) == (1 if CUDA else 0)
+    with pytest.raises(TypeError, match="mma must be a bool or None"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=1)
+    if not CUDA:
+        with pytest.raises(ValueError, match="mma=True needs a CUDA GPU"):
+            decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=True)
+        return
+    with pytest.raises(ValueError, match="mma=True takes none of the split loop's launch arguments, got block_n"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=True, block_n=32)
+    q3, cache3, block_table3, seq_lens3, kc3, vc3 = mse_setup(MSE_CASES[1], device)
+    with pytest.raises(ValueError, match="mma=True needs MSE key and value codecs of 4 bits each"):
+        decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3, mma=True)
+    q8 = torch.randn(2, 64, 64, device=device, dtype=torch.float16)  # 32 query heads per KV head
+    with pytest.raises(ValueError, match="mma=True needs at most 16 query heads per KV head, got 32"):
+        decode_attention(q8, cache, block_table, seq_lens, kc, vc, mma=True)
+
+
+def test_mma_lookups_give_operand_pairs():
+    """The lookups of kvlab.decode_mma (run by the PTX emulator): two key words give, per coordinate pair r,
+    (key a, r) then (key b, r); four value words give, per coordinate, the pair of keys (k0, k1) then (k2, k3)."""
+    import numpy as np
+    import ptx
+
+    from kvlab import decode_mma
+    from kvlab.mse import _prmt_tables
+
+    kc = mse_codecs(128, 4, 4, "haar")[0]
+    tables = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc)]
+    c16 = kc.centroids.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+    g = np.random.default_rng(0)
+    words = g.integers(0, 2**32, size=(4, 64), dtype=np.uint64).astype(np.uint32)
+    idx = [(words[i][None, :] >> (4 * np.arange(8)[:, None]).astype(np.uint32)) & 15 for i in range(4)]  # [8, 64]
+    pair = lambda lo, hi: c16[lo] | (c16[hi] << 16)  # noqa: E731
+    outs = ptx.run(decode_mma.LOOKUP4_TWO_KEYS.value, "=r," * 8 + "r," * 5 + "r", [words[0], words[1], *tables])
+    for r in range(4):
+        assert np.array_equal(outs[2 * r], pair(idx[0][2 * r], idx[0][2 * r + 1]))
+        assert np.array_equal(outs[2 * r + 1], pair(idx[1][2 * r], idx[1][2 * r + 1]))
+    outs = ptx.run(decode_mma.LOOKUP4_FOUR_VALUES.value, "=r," * 16 + "r," * 7 + "r", [*words, *tables])
+    for coord in range(8):
+        for p in range(2):
+            assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2], pair(idx[2 * p][coord], idx[2 * p + 1][coord]))
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_mma_orders_are_permutations(dim):
+    from kvlab import decode_mma
+
+    for order in (decode_mma.query_order(dim), decode_mma.output_order(dim)):
+        assert torch.equal(torch.sort(order).values, torch.arange(dim))
+
+
 def test_rotate_attention_output_is_one_gemm(device):
     kc, vc = mse_codecs(64, 4, 3, "haar")
     out = torch.randn(3, 5, 64, device=device)
@@ -420,8 +507,9 @@ def test_bad_centered_inputs(device):
 
 @pytest.mark.parametrize("entry", sorted(kvlab.decode.LAUNCH_DEFAULTS), ids=lambda e: f"{e[0]}{e[1]}")
 def test_launch_defaults(entry, device):
-    """A call that sets no launch argument runs its cache's LAUNCH_DEFAULTS entry (the same output, bit
-    for bit, as passing that entry), and it matches the reference."""
+    """A call of the split loop that sets no launch argument runs its cache's LAUNCH_DEFAULTS entry (the same
+    output, bit for bit, as passing that entry), and it matches the reference. (``mma=False``: with no
+    argument at all, 4-bit MSE caches on a GPU take the loop of kvlab.decode_mma instead.)"""
     kind, bits = entry
     lens, offset = [150, 7], 0
     if kind == "affine":
@@ -434,7 +522,7 @@ def test_launch_defaults(entry, device):
     assert launch == kvlab.decode.LAUNCH_DEFAULTS[entry]
     if device != "cuda":
         launch["fast"] = False  # inline PTX: the interpreter's default
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=2, position_offset=offset)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=2, position_offset=offset, mma=False)
     assert torch.equal(out, decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=2,
                                              position_offset=offset, **launch))
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)

@@ -1,0 +1,325 @@
+"""The decode loop over a 4-bit MSE cache on the tensor cores' register operands (Gluon, GPU only).
+
+What
+    The split loop of ``kvlab.decode`` for MSE keys and values of 4 bits each: one program, one warp,
+    attends a query group over a range of keys and writes the unnormalised partial output, its running
+    maximum and sum, exactly as ``_decode_split_kernel`` does (``decode_attention`` merges the ranges
+    and rotates the output back). It is written in Gluon, Triton's layout-explicit dialect, so that
+    each dequantized tile is produced *in* the register layout of an ``mma.sync`` operand: no tile
+    goes through shared memory, and no layout conversion moves data (every conversion below is
+    checked trivial at compile time).
+
+How (per step of ``BN = 16`` keys)
+    * Transposed products, keys as MMA rows: ``S^T = K Q^T`` (A = the key tile ``[16, D]``, B = the
+      rotated query group ``Q^T [D, BG]``, ``BG = max(8, group)``: an 8-row group fills the MMA's N
+      with no padding) and ``out^T += V^T P^T`` (A = the value tile ``V^T [D, 16]``, B = ``P^T``).
+    * A thread of an A fragment holds rows ``g, g + 8`` (``g = lane / 4``) and the column pairs
+      ``2 t, 2 t + 1`` and ``2 t + 8, 2 t + 9`` (``t = lane % 4``) of each 16 columns. The order of
+      coordinates inside a rotated vector is free, so each thread's data is made contiguous in the
+      cache: for keys, thread ``t`` reads bytes ``[D/8 t, D/8 (t + 1))`` of a key code (coordinates
+      ``D/4 t ..``) and MMA column ``32 q + 16 r1 + 8 r0 + 2 t + e`` is coordinate
+      ``D/4 t + 8 q + 4 r1 + 2 r0 + e`` (``query_order``); for values, thread ``g`` reads the
+      ``D/16`` bytes of coordinates ``D/8 g ..`` of four keys (``2 t, 2 t + 1, 2 t + 8, 2 t + 9``) and
+      MMA row ``g + 8 j`` is coordinate ``D/8 g + j`` (``output_order``). The query's rotation
+      takes the first order, the merge puts the second back.
+    * Lookups: the byte-permute lookup of ``kvlab.mse`` (``lookup4_ptx``), on two key words at once
+      (outputs in the order of two A fragments), and on four value words at once: the words of the
+      key pairs are interleaved byte by byte first, so that each fp16 pair holds one coordinate of two
+      keys, as an A fragment of ``V^T`` needs.
+    * ``P^T`` comes from ``S^T``'s accumulator (scaled by each key's value norm, rounded to fp16) by
+      one small exchange within the warp; the key norm scales ``S^T``'s rows.
+    * Reads: a step is a block-table entry (when ``block_size`` is a multiple of 16, one per step; else
+      one per key), 4-byte code words (the value code starts 2 bytes past a word boundary: the two
+      aligned words around each of its words are read) and the fp16 norms. The loop is unrolled by
+      two and each half issues the reads of the next step before its arithmetic.
+
+Needs a CUDA GPU of compute capability 8.0 or later (``mma.sync`` m16n8k16); Triton's interpreter
+cannot run Gluon, so on a CPU ``decode_attention`` uses the split loop. ``tests/test_decode.py``
+compares both loops with the reference on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .mse import lookup4_ptx
+
+__all__ = ["DIMS", "STEP", "launch", "output_order", "query_order"]
+
+STEP = 16  # keys per step
+BN = gl.constexpr(STEP)
+DIMS = (64, 128)
+MAX_GROUP = 16  # query heads per KV head
+PROGRAMS_PER_SM = 24  # default number of splits: about this many one-warp programs per SM
+
+
+def num_registers(group_rows: int) -> int | None:
+    """The launch's register cap (``maxnreg``): 152 for 8 query rows (13 programs an SM, no spills), none for 16."""
+    return 152 if group_rows <= 8 else None
+
+MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+OPERAND_A = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+OPERAND_B = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+
+# Two key words (the same 8 coordinates of keys a = g and b = g + 8) -> 8 fp16 pairs in the order of
+# two A fragments: (a, r0), (b, r0), (a, r1), (b, r1), (a, r2), (b, r2), (a, r3), (b, r3), r the pair.
+LOOKUP4_TWO_KEYS = gl.constexpr(
+    "{\n" + lookup4_ptx("$8", ("$0", "$2", "$4", "$6"), tables=("$10", "$11", "$12", "$13"))
+    + lookup4_ptx("$9", ("$1", "$3", "$5", "$7"), tables=("$10", "$11", "$12", "$13")) + "}")
+
+
+def _four_values() -> str:
+    """Four value words (the same 8 coordinates of keys k0, k1 = pair 0 and k2, k3 = pair 1) -> 16 fp16
+    pairs: output ``4 a + 2 P + d`` holds coordinate ``2 a + d`` of the two keys of pair ``P``."""
+    body = ("{\n.reg .b32 m0lo, m0hi, m1lo, m1hi;\n"
+            "prmt.b32 m0lo, $16, $17, 0x5140;\nprmt.b32 m0hi, $16, $17, 0x7362;\n"
+            "prmt.b32 m1lo, $18, $19, 0x5140;\nprmt.b32 m1hi, $18, $19, 0x7362;\n")
+    for pair, words in enumerate((("m0lo", "m0hi"), ("m1lo", "m1hi"))):
+        for half, word in enumerate(words):  # coordinates 4 half .. 4 half + 3
+            outs = [f"${4 * ((4 * half + c) // 2) + 2 * pair + c % 2}" for c in range(4)]
+            body += lookup4_ptx(word, outs, ("0x6240", "0x7351"), ("$20", "$21", "$22", "$23"))
+    return body + "}"
+
+
+LOOKUP4_FOUR_VALUES = gl.constexpr(_four_values())
+
+
+def _bits(n: int) -> range:
+    return range(n.bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def key_words_layout(dim: int) -> gl.DistributedLinearLayout:
+    """``[BN, 4, dim / 32]`` words (key ``g + 8 j``, thread column ``t``, word ``q``) on the A fragment's threads."""
+    nw = dim // 32
+    reg = [[0, 0, 1 << i] for i in _bits(nw)] + [[8, 0, 0]]
+    return gl.DistributedLinearLayout(reg, [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [], [], [STEP, 4, nw])
+
+
+@functools.lru_cache(maxsize=None)
+def value_words_layout(dim: int) -> gl.DistributedLinearLayout:
+    """``[BN, 8, dim / 64]`` words (key ``16 c + 8 h + 2 t + e``, thread row ``g``, word ``w``)."""
+    nw = dim // 64
+    reg = [[1, 0, 0], [8, 0, 0]] + [[0, 0, 1 << i] for i in _bits(nw)]
+    return gl.DistributedLinearLayout(reg, [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [], [], [STEP, 8, nw])
+
+
+def query_order(dim: int) -> torch.Tensor:
+    """int64 ``[dim]``: the rotated coordinate at each column of the key operand (the query is permuted to match)."""
+    p = torch.arange(dim)
+    q, r1, r0, t, e = p // 32, (p // 16) % 2, (p // 8) % 2, (p // 2) % 4, p % 2
+    return (dim // 4) * t + 8 * q + 4 * r1 + 2 * r0 + e
+
+
+def output_order(dim: int) -> torch.Tensor:
+    """int64 ``[dim]``: the rotated coordinate at each row of the output (``V^T``'s rows)."""
+    n = torch.arange(dim)
+    return (dim // 8) * (n % 8) + n // 8
+
+
+@gluon.jit
+def _halves(x):
+    """int32 holding an fp16 pair -> (low fp16, high fp16)."""
+    return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(gl.float16, gl.float16),
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _block_of(block_table_ptr, i_b, stride_bt, n0, end, BLOCK_SIZE: gl.constexpr):
+    """The physical block of key ``n0`` (clamped to the last key: the reads past the end are masked)."""
+    return gl.load(block_table_ptr + i_b * stride_bt + gl.minimum(n0, end - 1) // BLOCK_SIZE).to(gl.int64)
+
+
+@gluon.jit
+def _slots(block_table_ptr, blk, n0, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+           BLOCK_SIZE: gl.constexpr):
+    """Keys ``n0 + o_n`` -> (valid below ``end``, byte offset of each one's slot of KV head ``i_h``, int64)."""
+    m = (n0 + o_n) < end
+    if BLOCK_SIZE % BN == 0:  # the step lies in one block, blk
+        return m, blk * stride_block + ((n0 % BLOCK_SIZE) + o_n) * stride_pos + i_h * stride_head
+    else:
+        b = gl.load(block_table_ptr + i_b * stride_bt + (n0 + o_n) // BLOCK_SIZE, mask=m, other=0).to(gl.int64)
+        return m, b * stride_block + ((n0 + o_n) % BLOCK_SIZE) * stride_pos + i_h * stride_head
+
+
+@gluon.jit
+def _fetch(cache_ptr, block_table_ptr, blk, n0, end, i_b, i_h, o_nk, o_wk, o_nv, o_wv, o_nc, stride_bt, stride_block,
+           stride_pos, stride_head, BLOCK_SIZE: gl.constexpr, KEY_NORM_OFFSET: gl.constexpr, VALUE_OFFSET: gl.constexpr,
+           VALUE_NORM_OFFSET: gl.constexpr):
+    """The reads of the step at keys ``n0 .. n0 + BN``: key words, the two aligned words around each value
+    word, key and value norms (raw fp16 bits)."""
+    m_k, s_k = _slots(block_table_ptr, blk, n0, o_nk, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                      BLOCK_SIZE)
+    m_v, s_v = _slots(block_table_ptr, blk, n0, o_nv, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                      BLOCK_SIZE)
+    m_c, s_c = _slots(block_table_ptr, blk, n0, o_nc, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                      BLOCK_SIZE)
+    w_k = gl.load((cache_ptr + s_k).to(gl.pointer_type(gl.int32))[:, None, None] + o_wk, mask=m_k[:, None, None], other=0)
+    p_v = (cache_ptr + s_v + VALUE_OFFSET - 2).to(gl.pointer_type(gl.int32))[:, None, None] + o_wv
+    w_a = gl.load(p_v, mask=m_v[:, None, None], other=0)
+    w_b = gl.load(p_v + 1, mask=m_v[:, None, None], other=0)
+    kn = gl.load((cache_ptr + s_c + KEY_NORM_OFFSET).to(gl.pointer_type(gl.uint16)), mask=m_c, other=0)
+    vn = gl.load((cache_ptr + s_c + VALUE_NORM_OFFSET).to(gl.pointer_type(gl.uint16)), mask=m_c, other=0)
+    return w_k, w_a, w_b, kn, vn
+
+
+@gluon.jit
+def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, kn, vn, n0, end, o_nc, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
+            D: gl.constexpr, BG: gl.constexpr):
+    """One step on what ``_fetch`` read: scores, online softmax (base 2), output update."""
+    NWT: gl.constexpr = D // 32
+    NWV: gl.constexpr = D // 64
+    # keys: words of keys g and g + 8 side by side -> the A operand K [BN, D]
+    w_ka, w_kb = gl.split(gl.permute(gl.reshape(w_k, [BN // 16, 2, 8, 4, NWT]), (0, 2, 3, 4, 1)))
+    k0, k1, k2, k3, k4, k5, k6, k7 = gl.inline_asm_elementwise(
+        LOOKUP4_TWO_KEYS, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [w_ka, w_kb, tk0, tk1, tk2, tk3],
+        dtype=(gl.int32,) * 8, is_pure=True, pack=1)
+    lo, hi = _halves(gl.join(gl.join(gl.join(k0, k1), gl.join(k2, k3)), gl.join(gl.join(k4, k5), gl.join(k6, k7))))
+    # axes (m, g, t, q, key b, r0, r1, e) -> rows (m, key b, g), columns (q, r1, r0, t, e)
+    b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 6, 5, 2, 7)), [BN, D])
+    b_k = gl.convert_layout(b_k, OPERAND_A, assert_trivial=True)
+    s = mma_v2(b_k, b_qt, gl.full([BN, BG], 0.0, gl.float32, layout=MMA))  # S^T [BN, BG]
+    m_c = (n0 + o_nc) < end
+    s = gl.where(m_c[:, None], s * kn.to(gl.float16, bitcast=True).to(gl.float32)[:, None], float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    acc = acc * alpha[None, :]
+    # values: the middle 32 bits of each pair of aligned words; keys (2t, 2t+1) and (2t+8, 2t+9) -> V^T [D, BN]
+    w_v = ((w_a.to(gl.uint32) >> 16) | (w_b.to(gl.uint32) << 16)).to(gl.int32)
+    e0, e1 = gl.split(gl.permute(gl.reshape(w_v, [BN // 16, 2, 4, 2, 8, NWV]), (0, 2, 4, 5, 1, 3)))
+    v_0, v_2 = gl.split(e0)
+    v_1, v_3 = gl.split(e1)
+    vo = gl.inline_asm_elementwise(
+        LOOKUP4_FOUR_VALUES, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+        [v_0, v_1, v_2, v_3, tv0, tv1, tv2, tv3], dtype=(gl.int32,) * 16, is_pure=True, pack=1)
+    j8 = ()
+    for i in gl.static_range(8):
+        j8 = j8 + (gl.join(vo[2 * i], vo[2 * i + 1]),)
+    j4 = ()
+    for i in gl.static_range(4):
+        j4 = j4 + (gl.join(j8[2 * i], j8[2 * i + 1]),)
+    lo, hi = _halves(gl.join(gl.join(j4[0], j4[1]), gl.join(j4[2], j4[3])))
+    # axes (c, t, g, w, d, P, a0, a1, e) -> rows (w, a1, a0, d, g), columns (c, P, t, e)
+    b_vt = gl.reshape(gl.permute(gl.join(lo, hi), (3, 7, 6, 4, 2, 0, 5, 1, 8)), [D, BN])
+    b_vt = gl.convert_layout(b_vt, OPERAND_A, assert_trivial=True)
+    b_pt = gl.convert_layout((p * vn.to(gl.float16, bitcast=True).to(gl.float32)[:, None]).to(gl.float16), OPERAND_B)
+    return mma_v2(b_vt, b_pt, acc), m_new, l_i
+
+
+# Runtime arguments are not specialised on (values, divisibility, alignment): a compiled kernel depends
+# only on the constants, the launch options and the argument types, so that ``launch`` can reuse it
+# without Triton's per-call argument binding.
+_RUNTIME = ["q_ptr", "cache_ptr", "block_table_ptr", "seq_lens_ptr", "o_part_ptr", "ml_part_ptr", "tk0", "tk1", "tk2", "tk3",
+            "tv0", "tv1", "tv2", "tv3", "split_len", "num_splits", "stride_bt", "stride_block", "stride_pos", "stride_head"]
+
+
+@gluon.jit(do_not_specialize=_RUNTIME[6:], do_not_specialize_on_alignment=_RUNTIME[:6])
+def decode_mma_kernel(
+    q_ptr,  # fp16 [batch, HQ, D]: rotated, in query_order, times scale * log2(e)
+    cache_ptr,  # uint8 [num_blocks, block_size, HKV, slot_bytes], 4-byte aligned
+    block_table_ptr,  # int32 [batch, max_blocks]
+    seq_lens_ptr,  # int32/int64 [batch]
+    o_part_ptr,  # fp32 [batch, HQ, num_splits, D]: unnormalised partial outputs (output_order)
+    ml_part_ptr,  # fp32 [batch, HQ, num_splits, 2]: running maximum (base 2) and sum
+    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,  # byte planes of the key and value codebook magnitudes
+    split_len,  # keys per split, a multiple of BN
+    num_splits,
+    stride_bt,
+    stride_block,
+    stride_pos,
+    stride_head,
+    HQ: gl.constexpr,
+    HKV: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    D: gl.constexpr,
+    KEY_NORM_OFFSET: gl.constexpr,
+    VALUE_OFFSET: gl.constexpr,  # 2 more than a multiple of 4
+    VALUE_NORM_OFFSET: gl.constexpr,
+    BG: gl.constexpr,  # query rows per program: the group, at least 8
+    KEY_WORDS: gl.constexpr,  # key_words_layout(D)
+    VALUE_WORDS: gl.constexpr,  # value_words_layout(D)
+):
+    G: gl.constexpr = HQ // HKV
+    NWT: gl.constexpr = D // 32
+    NWV: gl.constexpr = D // 64
+    i_bh = gl.program_id(0).to(gl.int64)
+    i_s = gl.program_id(1)
+    i_b = i_bh // HKV
+    i_h = i_bh % HKV
+    seq_len = gl.load(seq_lens_ptr + i_b).to(gl.int32)
+    start = i_s * split_len
+    end = gl.minimum(start + split_len, seq_len)
+
+    # Q^T [D, BG], the B operand of every step
+    QL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, 1], [0, 1])
+    o_dq = gl.arange(0, D, layout=gl.SliceLayout(1, QL))
+    o_gq = gl.arange(0, BG, layout=gl.SliceLayout(0, QL))
+    rows_q = (i_b * HQ + i_h * G + o_gq).to(gl.int64)
+    b_qt = gl.load(q_ptr + rows_q[None, :] * D + o_dq[:, None], mask=(o_gq < G)[None, :], other=0.0)
+    b_qt = gl.convert_layout(b_qt, OPERAND_B)
+
+    # the word each thread reads: keys and values of a step, and the keys (rows of S^T) of the norms
+    o_nk = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, KEY_WORDS)))
+    o_tk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_WORDS)))
+    o_qk = gl.arange(0, NWT, layout=gl.SliceLayout(0, gl.SliceLayout(1, KEY_WORDS)))
+    o_wk = (o_tk * NWT)[None, :, None] + o_qk[None, None, :]
+    o_nv = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, VALUE_WORDS)))
+    o_gv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VALUE_WORDS)))
+    o_qv = gl.arange(0, NWV, layout=gl.SliceLayout(0, gl.SliceLayout(1, VALUE_WORDS)))
+    o_wv = (o_gv * NWV)[None, :, None] + o_qv[None, None, :]
+    o_nc = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+
+    m_i = gl.full([BG], -1.0e30, gl.float32, layout=gl.SliceLayout(0, MMA))  # finite: no inf - inf
+    l_i = gl.full([BG], 0.0, gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc = gl.full([D, BG], 0.0, gl.float32, layout=MMA)  # out^T
+    blk = _block_of(block_table_ptr, i_b, stride_bt, start, end, BLOCK_SIZE)
+    blk_b = _block_of(block_table_ptr, i_b, stride_bt, start + BN, end, BLOCK_SIZE)
+    a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk, start, end, i_b, i_h, o_nk, o_wk, o_nv, o_wv, o_nc,
+                                       stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, KEY_NORM_OFFSET,
+                                       VALUE_OFFSET, VALUE_NORM_OFFSET)
+    # two steps a trip, on two sets of reads (no copies between them); past the end the reads are masked
+    # and the step changes nothing (its scores are -inf)
+    for n0 in range(start, end, 2 * BN):
+        blk_a = _block_of(block_table_ptr, i_b, stride_bt, n0 + 2 * BN, end, BLOCK_SIZE)
+        b_k, b_a, b_b, b_kn, b_vn = _fetch(cache_ptr, block_table_ptr, blk_b, n0 + BN, end, i_b, i_h, o_nk, o_wk, o_nv, o_wv,
+                                           o_nc, stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE,
+                                           KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET)
+        acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, a_k, a_a, a_b, a_kn, a_vn, n0, end, o_nc, tk0, tk1, tk2, tk3,
+                                tv0, tv1, tv2, tv3, D, BG)
+        blk_b = _block_of(block_table_ptr, i_b, stride_bt, n0 + 3 * BN, end, BLOCK_SIZE)
+        a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk_a, n0 + 2 * BN, end, i_b, i_h, o_nk, o_wk, o_nv,
+                                           o_wv, o_nc, stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE,
+                                           KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET)
+        acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, b_k, b_a, b_b, b_kn, b_vn, n0 + BN, end, o_nc, tk0, tk1, tk2, tk3,
+                                tv0, tv1, tv2, tv3, D, BG)
+
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    o_g = gl.arange(0, BG, layout=gl.SliceLayout(0, MMA))
+    rows = (i_b * HQ + i_h * G + o_g).to(gl.int64) * num_splits + i_s
+    gl.store(o_part_ptr + rows[None, :] * D + o_d[:, None], acc, mask=(o_g < G)[None, :])
+    gl.store(ml_part_ptr + rows * 2, m_i, mask=o_g < G)
+    gl.store(ml_part_ptr + rows * 2 + 1, l_i, mask=o_g < G)
+
+
+_COMPILED = {}  # (device, constants, options, argument types) -> compiled kernel
+
+
+def launch(grid, args: tuple, constants: dict, options: dict) -> None:
+    """Launch ``decode_mma_kernel`` on ``grid`` with the runtime ``args`` (in order) and the ``constants``
+    (in the kernel's order): the first launch of a kind compiles through Triton's JIT, later ones go
+    straight to the compiled kernel (decode runs once per generated token: the host's share counts)."""
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    kinds = tuple(a.dtype if isinstance(a, torch.Tensor) else -(2**31) <= a < 2**31 for a in args)  # int: 32 or 64 bit
+    key = (args[0].device, tuple(constants.items()), tuple(options.items()), kinds)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = decode_mma_kernel[grid](*args, **constants, **options)
+    else:
+        compiled[grid](*args, *constants.values())
