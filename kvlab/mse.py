@@ -545,12 +545,21 @@ prmt.b32 $3, l1, h1, 0x7362;
 }""")
 
 # 2 bit: $0..$7 fp16 pairs of sixteen tile positions; inputs: the word, two table registers
-_LOOKUP2 = tl.constexpr(
-    "{\n.reg .b32 x, y;\n"
-    + "".join((f"shr.b32 x, $8, {2 * j};\nand.b32 x, x, 0x03030303;\n" if j else "and.b32 x, $8, 0x03030303;\n")
-              + f"mad.lo.u32 y, x, 0x22, 0x10101010;\nprmt.b32 ${j}, $9, $10, y;\nshr.b32 y, y, 16;\n"
-              f"prmt.b32 ${j + 4}, $9, $10, y;\n" for j in range(4))
-    + "}")
+def lookup2_ptx(word: str, outs, tables=("$9", "$10")) -> str:
+    """PTX block of the 2-bit lookup: the sixteen 2-bit indices of ``word`` -> eight fp16 pairs ``outs``,
+    from the 4-entry fp16 codebook in the two registers ``tables``. Index ``i`` is spread to the
+    selector nibbles ``2 i, 2 i + 1`` of its byte (one multiply-add for four indices) and one ``prmt``
+    turns two bytes' indices into an fp16 pair: output ``j`` (``j < 4``) holds the indices at bits
+    ``2 j`` of bytes 0 and 1, output ``j + 4`` those of bytes 2 and 3."""
+    body = "{\n.reg .b32 x, y;\n"
+    for j in range(4):
+        body += (f"shr.b32 x, {word}, {2 * j};\nand.b32 x, x, 0x03030303;\n" if j else f"and.b32 x, {word}, 0x03030303;\n")
+        body += (f"mad.lo.u32 y, x, 0x22, 0x10101010;\nprmt.b32 {outs[j]}, {tables[0]}, {tables[1]}, y;\n"
+                 f"shr.b32 y, y, 16;\nprmt.b32 {outs[j + 4]}, {tables[0]}, {tables[1]}, y;\n")
+    return body + "}"
+
+
+_LOOKUP2 = tl.constexpr(lookup2_ptx("$8", [f"${j}" for j in range(8)]))
 
 
 @triton.jit
