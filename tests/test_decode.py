@@ -310,6 +310,36 @@ def test_mma_lookups_give_operand_pairs():
             assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2], pair(idx[2 * p][coord], idx[2 * p + 1][coord]))
 
 
+def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
+    """decode_mma.launch: the first launch of a kind goes through Triton's JIT (constants and options by
+    name), later ones straight to the compiled kernel (runtime arguments, then the constants, in order);
+    an integer that needs 64 bits, another constant or another dtype is another kind."""
+    from kvlab import decode_mma
+
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("compiled", grid, args))
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append(("jit", grid, args, kw)) or Compiled()
+
+    monkeypatch.setattr(decode_mma, "decode_mma_kernel", Kernel())
+    monkeypatch.setattr(decode_mma, "_COMPILED", {})
+    x = torch.zeros(4, dtype=torch.float16)
+    consts, opts = dict(D=64, BG=8), dict(num_warps=1)
+    decode_mma.launch((2, 3), (x, 5), consts, opts)
+    decode_mma.launch((2, 3), (x, 7), consts, opts)
+    assert calls[0] == ("jit", (2, 3, 1), (x, 5), dict(D=64, BG=8, num_warps=1))
+    assert calls[1] == ("compiled", (2, 3, 1), (x, 7, 64, 8))
+    decode_mma.launch((2, 3), (x, 2**40), consts, opts)  # a 64-bit integer
+    decode_mma.launch((2, 3), (x, 7), dict(D=128, BG=8), opts)
+    decode_mma.launch((2, 3), (x.float(), 7), consts, opts)
+    assert [c[0] for c in calls] == ["jit", "compiled", "jit", "jit", "jit"]
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_mma_orders_are_permutations(dim):
     from kvlab import decode_mma
