@@ -62,6 +62,7 @@ def num_registers(group_rows: int) -> int | None:
     """The launch's register cap (``maxnreg``): 152 for 8 query rows (13 programs an SM, no spills), none for 16."""
     return 152 if group_rows <= 8 else None
 
+
 MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 OPERAND_A = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 OPERAND_B = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
