@@ -208,10 +208,10 @@ def grid_launch(cfg, kind, kb, vb, q, batch, context):
                 else kvlab.decode._default_splits(batch, HKV, context, kw["block_n"], q.device))
         kw["num_splits"] = max(1, round(base * cfg.get("splits_factor", 1)))
         return kw, " ".join(f"{k}={v}" for k, v in kw.items())
-    k_codec = codecs(kind, kb, vb)[0]
+    k_codec, v_codec, _ = codecs(kind, kb, vb)
+    centered = k_codec if kind == "centered" else None
     k_codec = k_codec.mse if kind == "centered" else k_codec
-    v_codec = codecs(kind, kb, vb)[1]
-    if kvlab.decode._mma_unsupported(q, HKV, kind, None if kind != "centered" else k_codec, k_codec, v_codec) is None:
+    if kvlab.decode._mma_unsupported(q, HKV, kind, centered, k_codec, v_codec) is None:
         return {}, f"mma=True num_splits={kvlab.decode._mma_splits(batch, HKV, context, q.device)}"
     tuned = kvlab.decode.launch_defaults(kind, max(kb, vb))
     splits = kvlab.decode._default_splits(batch, HKV, context, tuned["block_n"], q.device)

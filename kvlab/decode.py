@@ -794,9 +794,37 @@ def launch_defaults(kind: str, bits: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
-    want = _cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
+def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device,
+                    programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """About ``programs_per_sm`` programs an SM, each split at least ``MIN_SPLIT_TOKENS`` (and ``block_n``) keys."""
+    want = _cdiv(programs_per_sm * _sm_count(device), max(1, batch * num_kv_heads))
     return max(1, min(want, _cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
+
+
+def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
+    """The default split count of the loop of ``kvlab.decode_mma``."""
+    return _default_splits(batch, num_kv_heads, capacity, decode_mma.STEP, device, decode_mma.PROGRAMS_PER_SM)
+
+
+def _on_device(device: torch.device):
+    """``device``'s context where it is not the current device (entering one costs host time every call)."""
+    other = device.type == "cuda" and device.index not in (None, torch.cuda.current_device())
+    return torch.cuda.device(device) if other else _nullcontext()
+
+
+def _partials(batch: int, num_q_heads: int, num_splits: int, dim: int, device):
+    """fp32 buffers of a split loop: partial outputs, their running maxima and sums, and the merged output."""
+    return (torch.empty(batch, num_q_heads, num_splits, dim, dtype=torch.float32, device=device),
+            torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=device),
+            torch.empty(batch, num_q_heads, dim, dtype=torch.float32, device=device))
+
+
+def _merge(o_part, ml_part, order, out) -> None:
+    """Launch ``_merge_splits_kernel``: ``out`` (natural coordinate order) from the splits of ``o_part``."""
+    batch, num_q_heads, num_splits, dim = o_part.shape
+    _merge_splits_kernel[(batch * num_q_heads,)](
+        o_part, ml_part, order, out, num_splits, D=dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), num_warps=4,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -821,12 +849,6 @@ def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) ->
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
-    want = _cdiv(decode_mma.PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
-    return max(1, min(want, _cdiv(capacity, MIN_SPLIT_TOKENS)))
-
-
 def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity):
     """``decode_attention`` through ``kvlab.decode_mma.decode_mma_kernel`` (inputs checked), then the merge."""
     batch, num_q_heads, dim = q.shape
@@ -845,15 +867,12 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
         num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
     split_len = _cdiv(_cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
     num_splits = _cdiv(capacity, split_len)
-    o_part = torch.empty(batch, num_q_heads, num_splits, dim, dtype=torch.float32, device=device)
-    ml_part = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
-    out = torch.empty(batch, num_q_heads, dim, dtype=torch.float32, device=device)
+    o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
     if batch == 0:
         return out.to(q.dtype)
     group_rows = max(8, _next_power_of_2(num_q_heads // num_kv_heads))
     extra = {} if decode_mma.num_registers(group_rows) is None else dict(maxnreg=decode_mma.num_registers(group_rows))
-    other_gpu = device.index not in (None, torch.cuda.current_device())
-    with torch.cuda.device(device) if other_gpu else _nullcontext():
+    with _on_device(device):
         decode_mma.launch(
             (batch * num_kv_heads, num_splits),
             (q_in, cache, block_table, seq_lens, o_part, ml_part, *_prmt_tables(key_codec), *_prmt_tables(value_codec),
@@ -863,9 +882,7 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
                  KEY_WORDS=decode_mma.key_words_layout(dim), VALUE_WORDS=decode_mma.value_words_layout(dim)),
             dict(num_warps=1, **extra),
         )  # fmt: skip
-        _merge_splits_kernel[(batch * num_q_heads,)](
-            o_part, ml_part, order_v, out, num_splits, D=dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), num_warps=4,
-        )  # fmt: skip
+        _merge(o_part, ml_part, order_v, out)
     return _to_model_space(out, value_codec).to(q.dtype)
 
 
@@ -1041,16 +1058,13 @@ def decode_attention(
     if centered is not None and centered.rope is not None:
         bias = (rope_mean_scores(q, centered, capacity, position_offset) * q_scale).contiguous()
 
-    o_part = torch.empty(batch, num_q_heads, num_splits, dim, dtype=torch.float32, device=device)
-    ml_part = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
-    out = torch.empty(batch, num_q_heads, dim, dtype=torch.float32, device=device)
+    o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
     if batch == 0:
         return out.to(q.dtype)
     extra = {} if num_stages is None else dict(num_stages=num_stages)
     if max_registers is not None and not interpreted:
         extra["maxnreg"] = max_registers
-    other_gpu = device.type == "cuda" and device.index not in (None, torch.cuda.current_device())
-    with torch.cuda.device(device) if other_gpu else _nullcontext():
+    with _on_device(device):
         _decode_split_kernel[(batch * num_kv_heads, num_splits)](
             q_in, cache, block_table, seq_lens, cent_k, cent_v, o_part, ml_part,
             o_part if bias is None else bias,  # not read without a bias
@@ -1067,10 +1081,7 @@ def decode_attention(
             SPLIT_STEPS=split_len // block_n if interpreted else 0,
             num_warps=num_warps, **extra,
         )  # fmt: skip
-        _merge_splits_kernel[(batch * num_q_heads,)](
-            o_part, ml_part, order_v, out, num_splits,
-            D=dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), num_warps=4,
-        )  # fmt: skip
+        _merge(o_part, ml_part, order_v, out)
     if kind == "mse":
         out = _to_model_space(out, value_codec)
     return out.to(q.dtype)
