@@ -12,7 +12,7 @@ term per key, ``rope_mean_scores``) and the affine codec (groups of 32) at K4V4 
 in the same run: at each grid point the fastest of the ways SDPA can run it (``sdpa_variants``: the query group
 of a KV head as SDPA's query axis, or one query row per head with ``enable_gqa``, each with torch's choice of
 kernel and with each backend forced; no head is copied), named in the CSV's ``config``. The grid
-runs what a caller who sets no launch argument gets (for 4-bit MSE keys and values the loop of
+runs what a caller who sets no launch argument gets (for MSE keys and values of 2 or 4 bits the loop of
 ``kvlab.decode_mma``, else the split loop at its ``launch_defaults``; the CSV's ``config`` says which),
 or with ``--sweep`` the fastest configuration of the sweep.
 
@@ -211,7 +211,7 @@ def grid_launch(cfg, kind, kb, vb, q, batch, context):
     k_codec, v_codec, _ = codecs(kind, kb, vb)
     centered = k_codec if kind == "centered" else None
     k_codec = k_codec.mse if kind == "centered" else k_codec
-    if kvlab.decode._mma_unsupported(q, HKV, kind, centered, k_codec, v_codec) is None:
+    if kvlab.decode._takes_mma_loop(q, HKV, kind, centered, k_codec, v_codec, None, ()):
         return {}, f"mma=True num_splits={kvlab.decode._mma_splits(batch, HKV, context, q.device)}"
     tuned = kvlab.decode.launch_defaults(kind, max(kb, vb))
     splits = kvlab.decode._default_splits(batch, HKV, context, tuned["block_n"], q.device)
@@ -248,7 +248,7 @@ def correctness_checks(codec_list=CODECS):
         q = torch.randn(len(lens), HQ, DIM, device="cuda", generator=g, dtype=torch.float16)
         expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
         checks[f"{kind}_k{kb}v{vb}_rel_err"] = rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc), expected)
-        if (kind, kb, vb) == ("mse", 4, 4):  # the default is the loop of kvlab.decode_mma; the split loop too
+        if kind == "mse" and (kb, vb) in kvlab.decode_mma.DEFAULT_BITS:  # the default is the loop of kvlab.decode_mma; the split loop too
             checks[f"{kind}_k{kb}v{vb}_split_loop_rel_err"] = rel_err(
                 decode_attention(q, cache, block_table, seq_lens, kc, vc, mma=False), expected)
         if kind == "mse":
@@ -327,8 +327,8 @@ def main():
                 continue  # the affine path is not pipelined
             if "fast" in cfg and kind != "affine":
                 continue  # the MSE path is fast by default
-            if cfg.get("mma") and (kind, kb, vb) != ("mse", 4, 4):
-                continue  # the loop of kvlab.decode_mma: 4-bit MSE keys and values
+            if cfg.get("mma") and (kind != "mse" or {kb, vb} - set(kvlab.decode_mma.BITS)):
+                continue  # the loop of kvlab.decode_mma: 2- and 4-bit MSE keys and values
             kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
             base_splits = mma_splits if cfg.get("mma") else default_splits
             kw["num_splits"] = max(1, round(base_splits * cfg.get("splits_factor", 1)))

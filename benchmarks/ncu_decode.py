@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 CONFIGS = [
     ("sdpa_fp16", None, 16, 16, {}),
     ("mse_k4v4 defaults", "mse", 4, 4, {}),
+    ("mse_k4v4 split loop", "mse", 4, 4, dict(mma=False)),
     ("mse_k4v4 plain loop", "mse", 4, 4, dict(block_n=64, num_stages=1, prefetch=False, keys_as_rows=False)),
     ("mse_k2v2 defaults", "mse", 2, 2, {}),
     ("affine_k4v4 defaults", "affine", 4, 4, {}),

@@ -155,21 +155,23 @@ def _record(out: str, only: set[str]) -> None:
                                 ("decode split step, keys as rows, 128 keys", dict(plain, keys_as_rows=True, block_n=128))):
                 case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
                      per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes, compiled=dict(FAST=True))
-        # the loop of kvlab.decode_mma (4-bit MSE, Gluon: the interpreter cannot run it, so the launch that
-        # decode_attention makes on a GPU is written here); one trip of its loop is two steps of STEP keys
+        # the loop of kvlab.decode_mma (MSE keys and values of 2 or 4 bits, Gluon: the interpreter cannot run
+        # it, so the launch that decode_attention makes on a GPU is written here); one trip of its loop is two
+        # steps of STEP keys
         from kvlab import decode_mma
 
-        layout = kvlab.MSESlot(DIM, 4, 4)
-        runtime = dict(q_ptr="*fp16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", o_part_ptr="*fp32",
-                       ml_part_ptr="*fp32") | {name: "i32" for name in decode_mma._RUNTIME[6:]}
-        constants = dict(HQ=hq, HKV=HEADS, BLOCK_SIZE=block, D=DIM, KEY_NORM_OFFSET=layout.key_norm_offset,
-                         VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=layout.value_norm_offset, BG=8,
-                         KEY_WORDS="key_words_layout", VALUE_WORDS="value_words_layout")
-        keys = 2 * decode_mma.STEP
-        launches.append(dict(module="kvlab.decode_mma", kernel="decode_mma_kernel", case="decode mma trip", bits=4,
-                             signature=runtime | {k: "constexpr" for k in constants}, constants=constants, aligned=[],
-                             options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8)), programs=1,
-                             bytes=keys * layout.slot_bytes, keys_per_trip=keys))
+        for bits in (4, 2):
+            layout = kvlab.MSESlot(DIM, bits, bits)
+            runtime = dict(q_ptr="*fp16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", o_part_ptr="*fp32",
+                           ml_part_ptr="*fp32") | {name: "i32" for name in decode_mma._RUNTIME[6:]}
+            constants = dict(HQ=hq, HKV=HEADS, BLOCK_SIZE=block, D=DIM, KEY_NORM_OFFSET=layout.key_norm_offset,
+                             VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=layout.value_norm_offset, BG=8,
+                             BITS_K=bits, BITS_V=bits, KEY_WORDS="key_words_layout", VALUE_WORDS="value_words_layout")
+            keys = 2 * decode_mma.STEP
+            launches.append(dict(module="kvlab.decode_mma", kernel="decode_mma_kernel", case="decode mma trip", bits=bits,
+                                 signature=runtime | {k: "constexpr" for k in constants}, constants=constants, aligned=[],
+                                 options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8)), programs=1,
+                                 bytes=keys * layout.slot_bytes, keys_per_trip=keys))
         # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
         # one (fast=True, which the interpreter cannot run without a PTX emulator: the same launch, marked)
         from kvlab.decode import AffineSlot
@@ -213,7 +215,9 @@ def _sass(launch: dict) -> tuple[str, str]:
     if getattr(fn, "is_gluon", lambda: False)():  # layouts are recorded by the name of the function that builds them
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
-        const = {k: getattr(module, v)(const["D"]) if isinstance(v, str) and v.endswith("_layout") else v for k, v in const.items()}
+        width = dict(KEY_WORDS="BITS_K", VALUE_WORDS="BITS_V")  # a layout of the words of the key or the value codes
+        const = {k: getattr(module, v)(const["D"], const[width[k]]) if isinstance(v, str) and v.endswith("_layout") else v
+                 for k, v in const.items()}
     compiled = triton.compile(ASTSource(fn, launch["signature"], const, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     with tempfile.TemporaryDirectory() as tmp:

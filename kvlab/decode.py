@@ -34,8 +34,8 @@ What
     Split-KV (flash-decoding): the keys of a sequence are cut into ``num_splits`` ranges; one program
     per (sequence, KV head, range) computes an unnormalised partial output with its running maximum and
     sum (base-2 online softmax), and a second kernel merges the ranges with a log-sum-exp reduction.
-    Two loops compute the partial outputs: for 4-bit MSE keys and values on a GPU (dim 64 or 128, at
-    most 16 query heads per KV head) by default the one of ``kvlab.decode_mma`` (Gluon: every tile is
+    Two loops compute the partial outputs: for MSE keys and values of 2 or 4 bits on a GPU (dim 64 or
+    128, 2-bit values at 128, at most 16 query heads per KV head) by default the one of ``kvlab.decode_mma`` (Gluon: every tile is
     dequantized in the register layout of an ``mma.sync`` operand, none goes through shared memory),
     otherwise the split loop below (``_decode_split_kernel``); ``mma=`` chooses.
 
@@ -838,10 +838,12 @@ def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) ->
         return "a CUDA GPU (Triton's interpreter cannot run Gluon kernels)"
     if _capability(q.device) < (8, 0):
         return "a GPU of compute capability 8.0 or later (mma.sync m16n8k16)"
-    if kind != "mse" or centered is not None or (key_codec.bits, value_codec.bits) != (4, 4):
-        return "MSE key and value codecs of 4 bits each (not centred keys)"
+    if kind != "mse" or centered is not None or key_codec.bits not in decode_mma.BITS or value_codec.bits not in decode_mma.BITS:
+        return f"MSE key and value codecs of {' or '.join(map(str, decode_mma.BITS))} bits (not centred keys)"
     if q.shape[-1] not in decode_mma.DIMS:
         return f"a head dim in {decode_mma.DIMS}, got {q.shape[-1]}"
+    if value_codec.bits * q.shape[-1] < 256:
+        return f"a head dim of at least 128 for {value_codec.bits}-bit values, got {q.shape[-1]}"
     if q.shape[-2] // num_kv_heads > decode_mma.MAX_GROUP:
         return f"at most {decode_mma.MAX_GROUP} query heads per KV head, got {q.shape[-2] // num_kv_heads}"
     if _prmt_tables(key_codec) is None or _prmt_tables(value_codec) is None:
@@ -849,16 +851,30 @@ def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) ->
     return None
 
 
+def _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma, given) -> bool:
+    """Whether ``decode_attention`` runs the loop of ``kvlab.decode_mma`` (``mma``: the caller's choice,
+    ``given``: the names of the split loop's launch arguments set); ``mma=True`` that cannot run raises."""
+    if mma is False:
+        return False
+    why_not = _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec)
+    if mma and why_not:
+        raise ValueError(f"mma=True needs {why_not}")
+    if mma and given:
+        raise ValueError(f"mma=True takes none of the split loop's launch arguments, got {', '.join(given)}")
+    return why_not is None and not given and (mma or (key_codec.bits, value_codec.bits) in decode_mma.DEFAULT_BITS)
+
+
 def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity):
     """``decode_attention`` through ``kvlab.decode_mma.decode_mma_kernel`` (inputs checked), then the merge."""
     batch, num_q_heads, dim = q.shape
     num_kv_heads = cache.shape[2]
     device = q.device
-    layout = MSESlot(dim, 4, 4)
+    kb, vb = key_codec.bits, value_codec.bits
+    layout = MSESlot(dim, kb, vb)
     assert layout.value_offset % 4 == 2, layout
     q_scale = scale * LOG2E
     rot_k = _cached(key_codec, ("mma_query_rotation", device, q_scale), key_codec.rotation,
-                    lambda r: (r.to(device=device, dtype=torch.float32)[:, decode_mma.query_order(dim).to(device)]
+                    lambda r: (r.to(device=device, dtype=torch.float32)[:, decode_mma.query_order(dim, kb).to(device)]
                                * q_scale).contiguous())
     order_v = _cached(value_codec, ("mma_output_order", device), value_codec.centroids,
                       lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
@@ -879,7 +895,8 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
              split_len, num_splits, block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2)),
             dict(HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=cache.shape[1], D=dim, KEY_NORM_OFFSET=layout.key_norm_offset,
                  VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=layout.value_norm_offset, BG=group_rows,
-                 KEY_WORDS=decode_mma.key_words_layout(dim), VALUE_WORDS=decode_mma.value_words_layout(dim)),
+                 BITS_K=kb, BITS_V=vb, KEY_WORDS=decode_mma.key_words_layout(dim, kb),
+                 VALUE_WORDS=decode_mma.value_words_layout(dim, vb)),
             dict(num_warps=1, **extra),
         )  # fmt: skip
         _merge(o_part, ml_part, order_v, out)
@@ -932,8 +949,8 @@ def decode_attention(
     ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
     ``check=False`` never syncs and reads whatever blocks the table names.
 
-    ``mma`` picks the loop: ``True`` the loop of ``kvlab.decode_mma`` (4-bit MSE keys and values, dim 64
-    or 128, at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the
+    ``mma`` picks the loop: ``True`` the loop of ``kvlab.decode_mma`` (MSE keys and values of 2 or 4
+    bits, dim 64 or 128 (2-bit values: 128), at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the
     tiles are dequantized in the tensor cores' register operands), ``False`` the split loop above
     (``_decode_split_kernel``). ``None`` (the default) takes the first wherever it applies and no
     launch argument of the split loop (``block_n``, ``num_warps``, ``num_stages``, ``max_registers``,
@@ -975,17 +992,11 @@ def decode_attention(
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     if mma is not None and not isinstance(mma, bool):
         raise TypeError(f"mma must be a bool or None, got {type(mma).__name__}")
-    if mma is not False:
-        why_not = _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec)
-        given = [k for k, v in split_args.items() if v is not None]
-        if mma and why_not:
-            raise ValueError(f"mma=True needs {why_not}")
-        if mma and given:
-            raise ValueError(f"mma=True takes none of the split loop's launch arguments, got {', '.join(given)}")
-        if why_not is None and not given:
-            if num_splits is not None:
-                C.check_int("num_splits", num_splits, minimum=1)
-            return _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity)
+    given = [k for k, v in split_args.items() if v is not None]
+    if _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma, given):
+        if num_splits is not None:
+            C.check_int("num_splits", num_splits, minimum=1)
+        return _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity)
     C.check_int("block_n", block_n, (16, 32, 64, 128, 256))
     C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16))
     if num_stages is not None:

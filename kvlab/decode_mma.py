@@ -1,7 +1,8 @@
-"""The decode loop over a 4-bit MSE cache on the tensor cores' register operands (Gluon, GPU only).
+"""The decode loop over a 2- or 4-bit MSE cache on the tensor cores' register operands (Gluon, GPU only).
 
 What
-    The split loop of ``kvlab.decode`` for MSE keys and values of 4 bits each: one program, one warp,
+    The split loop of ``kvlab.decode`` for MSE keys and values of 2 or 4 bits each (2-bit values: dim
+    128, so that a thread's value code is a whole number of words): one program, one warp,
     attends a query group over a range of keys and writes the unnormalised partial output, its running
     maximum and sum, exactly as ``_decode_split_kernel`` does (``decode_attention`` merges the ranges
     and rotates the output back). It is written in Gluon, Triton's layout-explicit dialect, so that
@@ -16,13 +17,14 @@ How (per step of ``BN = 16`` keys)
     * A thread of an A fragment holds rows ``g, g + 8`` (``g = lane / 4``) and the column pairs
       ``2 t, 2 t + 1`` and ``2 t + 8, 2 t + 9`` (``t = lane % 4``) of each 16 columns. The order of
       coordinates inside a rotated vector is free, so each thread's data is made contiguous in the
-      cache: for keys, thread ``t`` reads bytes ``[D/8 t, D/8 (t + 1))`` of a key code (coordinates
-      ``D/4 t ..``) and MMA column ``32 q + 16 r1 + 8 r0 + 2 t + e`` is coordinate
-      ``D/4 t + 8 q + 4 r1 + 2 r0 + e`` (``query_order``); for values, thread ``g`` reads the
-      ``D/16`` bytes of coordinates ``D/8 g ..`` of four keys (``2 t, 2 t + 1, 2 t + 8, 2 t + 9``) and
-      MMA row ``g + 8 j`` is coordinate ``D/8 g + j`` (``output_order``). The query's rotation
+      cache: for ``b``-bit keys, thread ``t`` reads the ``D b / 32`` bytes of a key code that hold
+      coordinates ``D/4 t ..`` and the MMA columns take them in the order the lookup writes them
+      (``query_order``: at 4 bits column ``32 q + 16 r1 + 8 r0 + 2 t + e`` is coordinate
+      ``D/4 t + 8 q + 4 r1 + 2 r0 + e``); for values, thread ``g`` reads the ``D b / 64`` bytes of
+      coordinates ``D/8 g ..`` of four keys (``2 t, 2 t + 1, 2 t + 8, 2 t + 9``) and MMA row
+      ``g + 8 j`` is coordinate ``D/8 g + j`` (``output_order``, both widths). The query's rotation
       takes the first order, the merge puts the second back.
-    * Lookups: the byte-permute lookup of ``kvlab.mse`` (``lookup4_ptx``), on two key words at once
+    * Lookups: the byte-permute lookups of ``kvlab.mse`` (``lookup4_ptx``, ``lookup2_ptx``), on two key words at once
       (outputs in the order of two A fragments), and on four value words at once: the words of the
       key pairs are interleaved byte by byte first, so that each fp16 pair holds one coordinate of two
       keys, as an A fragment of ``V^T`` needs.
@@ -47,13 +49,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .mse import lookup4_ptx
+from .mse import lookup2_ptx, lookup4_ptx
 
 __all__ = ["DIMS", "STEP", "launch", "output_order", "query_order"]
 
 STEP = 16  # keys per step
 BN = gl.constexpr(STEP)
 DIMS = (64, 128)
+BITS = (2, 4)  # key and value widths the loop reads (2-bit values: dim 128)
+DEFAULT_BITS = {(4, 4), (2, 2), (4, 2), (2, 4)}  # (key, value) widths decode_attention runs here by default: measured faster on the grid
 MAX_GROUP = 16  # query heads per KV head
 PROGRAMS_PER_SM = 24  # default number of splits: about this many one-warp programs per SM
 
@@ -89,32 +93,56 @@ def _four_values() -> str:
 
 LOOKUP4_FOUR_VALUES = gl.constexpr(_four_values())
 
+# 2 bit: two key words (16 coordinates each) -> 16 fp16 pairs, output 2 p + x the pair p of key x
+LOOKUP2_TWO_KEYS = gl.constexpr(
+    "{\n" + lookup2_ptx("$16", [f"${2 * p}" for p in range(8)], ("$18", "$19"))
+    + lookup2_ptx("$17", [f"${2 * p + 1}" for p in range(8)], ("$18", "$19")) + "}")
+
+
+def _four_values2(half: int) -> str:
+    """2 bit: four value words (keys k0, k1 = pair 0, k2, k3 = pair 1) -> 16 fp16 pairs of coordinates
+    ``8 half .. 8 half + 7``: output ``4 a + 2 P + d`` holds coordinate ``8 half + 2 a + d`` of pair ``P``."""
+    sel = ("0x5140", "0x7362")[half]
+    body = f"{{\n.reg .b32 m0, m1;\nprmt.b32 m0, $16, $17, {sel};\nprmt.b32 m1, $18, $19, {sel};\n"
+    for pair, word in enumerate(("m0", "m1")):
+        body += lookup2_ptx(word, [f"${4 * (i // 2) + 2 * pair + i % 2}" for i in range(8)], ("$20", "$21"))
+    return body + "}"
+
+
+LOOKUP2_FOUR_VALUES_LO = gl.constexpr(_four_values2(0))
+LOOKUP2_FOUR_VALUES_HI = gl.constexpr(_four_values2(1))
+
 
 def _bits(n: int) -> range:
     return range(n.bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=None)
-def key_words_layout(dim: int) -> gl.DistributedLinearLayout:
-    """``[BN, 4, dim / 32]`` words (key ``g + 8 j``, thread column ``t``, word ``q``) on the A fragment's threads."""
-    nw = dim // 32
+def key_words_layout(dim: int, bits: int) -> gl.DistributedLinearLayout:
+    """``[BN, 4, dim bits / 128]`` words (key ``g + 8 j``, thread column ``t``, word ``q``) on the A fragment's threads."""
+    nw = dim * bits // 128
     reg = [[0, 0, 1 << i] for i in _bits(nw)] + [[8, 0, 0]]
     return gl.DistributedLinearLayout(reg, [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [], [], [STEP, 4, nw])
 
 
 @functools.lru_cache(maxsize=None)
-def value_words_layout(dim: int) -> gl.DistributedLinearLayout:
-    """``[BN, 8, dim / 64]`` words (key ``16 c + 8 h + 2 t + e``, thread row ``g``, word ``w``)."""
-    nw = dim // 64
+def value_words_layout(dim: int, bits: int) -> gl.DistributedLinearLayout:
+    """``[BN, 8, dim bits / 256]`` words (key ``16 c + 8 h + 2 t + e``, thread row ``g``, word ``w``)."""
+    nw = dim * bits // 256
     reg = [[1, 0, 0], [8, 0, 0]] + [[0, 0, 1 << i] for i in _bits(nw)]
     return gl.DistributedLinearLayout(reg, [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [], [], [STEP, 8, nw])
 
 
-def query_order(dim: int) -> torch.Tensor:
+def query_order(dim: int, bits: int = 4) -> torch.Tensor:
     """int64 ``[dim]``: the rotated coordinate at each column of the key operand (the query is permuted to match)."""
-    p = torch.arange(dim)
-    q, r1, r0, t, e = p // 32, (p // 16) % 2, (p // 8) % 2, (p // 2) % 4, p % 2
-    return (dim // 4) * t + 8 * q + 4 * r1 + 2 * r0 + e
+    k = torch.arange(dim)
+    e, t = k % 2, (k // 2) % 4
+    words = dim * bits // 128  # per thread
+    if bits == 4:  # column 32 q + 16 r1 + 8 r0 + 2 t + e: pair r = r0 + 2 r1 of word q
+        q, r = k // 32, (k // 8) % 2 + 2 * ((k // 16) % 2)
+        return 8 * (t * words + q) + 2 * r + e
+    q, p = k // 64, (k // 8) % 2 + 2 * ((k // 16) % 2) + 4 * ((k // 32) % 2)  # 2 bit: pair p of word q
+    return 16 * (t * words + q) + p % 4 + 4 * e + 8 * (p // 4)
 
 
 def output_order(dim: int) -> torch.Tensor:
@@ -170,20 +198,69 @@ def _fetch(cache_ptr, block_table_ptr, blk, n0, end, i_b, i_h, o_nk, o_wk, o_nv,
 
 
 @gluon.jit
-def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, kn, vn, n0, end, o_nc, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
-            D: gl.constexpr, BG: gl.constexpr):
-    """One step on what ``_fetch`` read: scores, online softmax (base 2), output update."""
-    NWT: gl.constexpr = D // 32
-    NWV: gl.constexpr = D // 64
-    # keys: words of keys g and g + 8 side by side -> the A operand K [BN, D]
+def _join_bits(xs, LEVELS: gl.constexpr):
+    """Tuple of ``2**LEVELS`` same-shape tensors -> one tensor with ``LEVELS`` new trailing axes of 2, the
+    first the lowest bit of the tuple index."""
+    for _ in gl.static_range(LEVELS):
+        ys = ()
+        for i in gl.static_range(len(xs) // 2):
+            ys = ys + (gl.join(xs[2 * i], xs[2 * i + 1]),)
+        xs = ys
+    return xs[0]
+
+
+@gluon.jit
+def _key_tile(w_k, tk0, tk1, tk2, tk3, D: gl.constexpr, BITS: gl.constexpr):
+    """Key words -> the A operand K ``[BN, D]`` fp16 (columns in ``query_order``)."""
+    NWT: gl.constexpr = D * BITS // 128
+    # words of keys g and g + 8 side by side
     w_ka, w_kb = gl.split(gl.permute(gl.reshape(w_k, [BN // 16, 2, 8, 4, NWT]), (0, 2, 3, 4, 1)))
-    k0, k1, k2, k3, k4, k5, k6, k7 = gl.inline_asm_elementwise(
-        LOOKUP4_TWO_KEYS, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [w_ka, w_kb, tk0, tk1, tk2, tk3],
-        dtype=(gl.int32,) * 8, is_pure=True, pack=1)
-    lo, hi = _halves(gl.join(gl.join(gl.join(k0, k1), gl.join(k2, k3)), gl.join(gl.join(k4, k5), gl.join(k6, k7))))
-    # axes (m, g, t, q, key b, r0, r1, e) -> rows (m, key b, g), columns (q, r1, r0, t, e)
-    b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 6, 5, 2, 7)), [BN, D])
-    b_k = gl.convert_layout(b_k, OPERAND_A, assert_trivial=True)
+    if BITS == 4:
+        ko = gl.inline_asm_elementwise(LOOKUP4_TWO_KEYS, "=r," * 8 + "r,r,r,r,r,r", [w_ka, w_kb, tk0, tk1, tk2, tk3],
+                                       dtype=(gl.int32,) * 8, is_pure=True, pack=1)
+        lo, hi = _halves(_join_bits(ko, 3))
+        # axes (m, g, t, q, key b, r0, r1, e) -> rows (m, key b, g), columns (q, r1, r0, t, e)
+        b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 6, 5, 2, 7)), [BN, D])
+    else:
+        ko = gl.inline_asm_elementwise(LOOKUP2_TWO_KEYS, "=r," * 16 + "r,r,r,r", [w_ka, w_kb, tk0, tk1],
+                                       dtype=(gl.int32,) * 16, is_pure=True, pack=1)
+        lo, hi = _halves(_join_bits(ko, 4))
+        # axes (m, g, t, q, key b, p0, p1, p2, e) -> rows (m, key b, g), columns (q, p2, p1, p0, t, e)
+        b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 7, 6, 5, 2, 8)), [BN, D])
+    return gl.convert_layout(b_k, OPERAND_A, assert_trivial=True)
+
+
+@gluon.jit
+def _value_tile(w_a, w_b, tv0, tv1, tv2, tv3, D: gl.constexpr, BITS: gl.constexpr):
+    """The two aligned words around each value word -> the A operand V^T ``[D, BN]`` fp16 (rows in ``output_order``)."""
+    NWV: gl.constexpr = D * BITS // 256
+    # the middle 32 bits of each pair of aligned words; keys (2t, 2t+1) and (2t+8, 2t+9)
+    w_v = ((w_a.to(gl.uint32) >> 16) | (w_b.to(gl.uint32) << 16)).to(gl.int32)
+    e0, e1 = gl.split(gl.permute(gl.reshape(w_v, [BN // 16, 2, 4, 2, 8, NWV]), (0, 2, 4, 5, 1, 3)))
+    v_0, v_2 = gl.split(e0)
+    v_1, v_3 = gl.split(e1)
+    if BITS == 4:
+        vo = gl.inline_asm_elementwise(LOOKUP4_FOUR_VALUES, "=r," * 16 + "r,r,r,r,r,r,r,r",
+                                       [v_0, v_1, v_2, v_3, tv0, tv1, tv2, tv3], dtype=(gl.int32,) * 16, is_pure=True, pack=1)
+        lo, hi = _halves(_join_bits(vo, 4))
+        # axes (c, t, g, w, d, P, a0, a1, e) -> rows (w, a1, a0, d, g), columns (c, P, t, e)
+        b_vt = gl.reshape(gl.permute(gl.join(lo, hi), (3, 7, 6, 4, 2, 0, 5, 1, 8)), [D, BN])
+    else:
+        v_lo = gl.inline_asm_elementwise(LOOKUP2_FOUR_VALUES_LO, "=r," * 16 + "r,r,r,r,r,r", [v_0, v_1, v_2, v_3, tv0, tv1],
+                                         dtype=(gl.int32,) * 16, is_pure=True, pack=1)
+        v_hi = gl.inline_asm_elementwise(LOOKUP2_FOUR_VALUES_HI, "=r," * 16 + "r,r,r,r,r,r", [v_0, v_1, v_2, v_3, tv0, tv1],
+                                         dtype=(gl.int32,) * 16, is_pure=True, pack=1)
+        lo, hi = _halves(gl.join(_join_bits(v_lo, 4), _join_bits(v_hi, 4)))
+        # axes (c, t, g, w, d, P, a0, a1, half, e) -> rows (w, half, a1, a0, d, g), columns (c, P, t, e)
+        b_vt = gl.reshape(gl.permute(gl.join(lo, hi), (3, 8, 7, 6, 4, 2, 0, 5, 1, 9)), [D, BN])
+    return gl.convert_layout(b_vt, OPERAND_A, assert_trivial=True)
+
+
+@gluon.jit
+def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, kn, vn, n0, end, o_nc, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
+            D: gl.constexpr, BG: gl.constexpr, BITS_K: gl.constexpr, BITS_V: gl.constexpr):
+    """One step on what ``_fetch`` read: scores, online softmax (base 2), output update."""
+    b_k = _key_tile(w_k, tk0, tk1, tk2, tk3, D, BITS_K)
     s = mma_v2(b_k, b_qt, gl.full([BN, BG], 0.0, gl.float32, layout=MMA))  # S^T [BN, BG]
     m_c = (n0 + o_nc) < end
     s = gl.where(m_c[:, None], s * kn.to(gl.float16, bitcast=True).to(gl.float32)[:, None], float("-inf"))
@@ -192,24 +269,7 @@ def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, kn, vn, n0, end, o_nc, tk0, tk1,
     p = gl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + gl.sum(p, axis=0)
     acc = acc * alpha[None, :]
-    # values: the middle 32 bits of each pair of aligned words; keys (2t, 2t+1) and (2t+8, 2t+9) -> V^T [D, BN]
-    w_v = ((w_a.to(gl.uint32) >> 16) | (w_b.to(gl.uint32) << 16)).to(gl.int32)
-    e0, e1 = gl.split(gl.permute(gl.reshape(w_v, [BN // 16, 2, 4, 2, 8, NWV]), (0, 2, 4, 5, 1, 3)))
-    v_0, v_2 = gl.split(e0)
-    v_1, v_3 = gl.split(e1)
-    vo = gl.inline_asm_elementwise(
-        LOOKUP4_FOUR_VALUES, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
-        [v_0, v_1, v_2, v_3, tv0, tv1, tv2, tv3], dtype=(gl.int32,) * 16, is_pure=True, pack=1)
-    j8 = ()
-    for i in gl.static_range(8):
-        j8 = j8 + (gl.join(vo[2 * i], vo[2 * i + 1]),)
-    j4 = ()
-    for i in gl.static_range(4):
-        j4 = j4 + (gl.join(j8[2 * i], j8[2 * i + 1]),)
-    lo, hi = _halves(gl.join(gl.join(j4[0], j4[1]), gl.join(j4[2], j4[3])))
-    # axes (c, t, g, w, d, P, a0, a1, e) -> rows (w, a1, a0, d, g), columns (c, P, t, e)
-    b_vt = gl.reshape(gl.permute(gl.join(lo, hi), (3, 7, 6, 4, 2, 0, 5, 1, 8)), [D, BN])
-    b_vt = gl.convert_layout(b_vt, OPERAND_A, assert_trivial=True)
+    b_vt = _value_tile(w_a, w_b, tv0, tv1, tv2, tv3, D, BITS_V)
     b_pt = gl.convert_layout((p * vn.to(gl.float16, bitcast=True).to(gl.float32)[:, None]).to(gl.float16), OPERAND_B)
     return mma_v2(b_vt, b_pt, acc), m_new, l_i
 
@@ -244,12 +304,14 @@ def decode_mma_kernel(
     VALUE_OFFSET: gl.constexpr,  # 2 more than a multiple of 4
     VALUE_NORM_OFFSET: gl.constexpr,
     BG: gl.constexpr,  # query rows per program: the group, at least 8
-    KEY_WORDS: gl.constexpr,  # key_words_layout(D)
-    VALUE_WORDS: gl.constexpr,  # value_words_layout(D)
+    BITS_K: gl.constexpr,  # 2 or 4
+    BITS_V: gl.constexpr,  # 2 or 4 (2: D >= 128)
+    KEY_WORDS: gl.constexpr,  # key_words_layout(D, BITS_K)
+    VALUE_WORDS: gl.constexpr,  # value_words_layout(D, BITS_V)
 ):
     G: gl.constexpr = HQ // HKV
-    NWT: gl.constexpr = D // 32
-    NWV: gl.constexpr = D // 64
+    NWT: gl.constexpr = D * BITS_K // 128
+    NWV: gl.constexpr = D * BITS_V // 256
     i_bh = gl.program_id(0).to(gl.int64)
     i_s = gl.program_id(1)
     i_b = i_bh // HKV
@@ -293,13 +355,13 @@ def decode_mma_kernel(
                                            o_nc, stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE,
                                            KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET)
         acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, a_k, a_a, a_b, a_kn, a_vn, n0, end, o_nc, tk0, tk1, tk2, tk3,
-                                tv0, tv1, tv2, tv3, D, BG)
+                                tv0, tv1, tv2, tv3, D, BG, BITS_K, BITS_V)
         blk_b = _block_of(block_table_ptr, i_b, stride_bt, n0 + 3 * BN, end, BLOCK_SIZE)
         a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk_a, n0 + 2 * BN, end, i_b, i_h, o_nk, o_wk, o_nv,
                                            o_wv, o_nc, stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE,
                                            KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET)
         acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, b_k, b_a, b_b, b_kn, b_vn, n0 + BN, end, o_nc, tk0, tk1, tk2, tk3,
-                                tv0, tv1, tv2, tv3, D, BG)
+                                tv0, tv1, tv2, tv3, D, BG, BITS_K, BITS_V)
 
     o_d = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
     o_g = gl.arange(0, BG, layout=gl.SliceLayout(0, MMA))

@@ -231,23 +231,26 @@ def test_longer_context_default_launch(device):
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
 
 
-# the loop of kvlab.decode_mma (4-bit MSE keys and values): batch lengths, q heads, kv heads, dim, block size, rotation
+# the loop of kvlab.decode_mma (MSE keys and values of 2 or 4 bits): batch lengths, q heads, kv heads, dim,
+# key bits, value bits, block size, rotation
 MMA_CASES = [
-    ([1], 4, 4, 64, 16, "haar"),  # one cached token, GQA ratio 1
-    ([37, 100, 1], 8, 2, 128, 16, "haar"),  # mixed lengths, not multiples of the block size, ratio 4
-    ([45, 130], 16, 2, 64, 8, "hadamard"),  # ratio 8, blocks shorter than a step: a block-table entry per key
-    ([300, 77], 32, 2, 128, 32, "haar"),  # ratio 16, two steps a block
-    ([517], 8, 1, 128, 16, "hadamard"),  # one KV head, a long split
+    ([1], 4, 4, 64, 4, 4, 16, "haar"),  # one cached token, GQA ratio 1
+    ([37, 100, 1], 8, 2, 128, 4, 4, 16, "haar"),  # mixed lengths, not multiples of the block size, ratio 4
+    ([45, 130], 16, 2, 64, 4, 4, 8, "hadamard"),  # ratio 8, blocks shorter than a step: a block-table entry per key
+    ([300, 77], 32, 2, 128, 4, 4, 32, "haar"),  # ratio 16, two steps a block
+    ([517], 8, 1, 128, 4, 4, 16, "hadamard"),  # one KV head, a long split
+    ([37, 100, 1], 8, 2, 128, 2, 2, 16, "haar"),  # 2-bit keys and values
+    ([300, 77], 32, 2, 128, 4, 2, 32, "hadamard"),
+    ([45, 130], 16, 2, 64, 2, 4, 8, "haar"),
 ]
-MMA_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-bs{c[4]}-{c[5]}" for c in MMA_CASES]
+MMA_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-k{c[4]}v{c[5]}-bs{c[6]}-{c[7]}" for c in MMA_CASES]
 
 
 @pytest.mark.skipif(not CUDA, reason="Gluon kernels run on a GPU only (Triton's interpreter cannot run them)")
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize("case", MMA_CASES, ids=MMA_IDS)
 def test_mma_decode_matches_reference(case, num_splits, device):
-    lens, hq, hkv, dim, block_size, rotation = case
-    q, cache, block_table, seq_lens, kc, vc = mse_setup((lens, hq, hkv, dim, 4, 4, block_size, rotation), device)
+    q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
     for dtype in (torch.float16, torch.bfloat16):
         expected = ref.decode_attention_reference(q.to(dtype).float(), cache, block_table, seq_lens, kc, vc, scale=0.2)
         out = decode_attention(q.to(dtype), cache, block_table, seq_lens, kc, vc, scale=0.2, num_splits=num_splits, mma=True)
@@ -276,9 +279,18 @@ def test_mma_loop_choice(device, monkeypatch):
         return
     with pytest.raises(ValueError, match="mma=True takes none of the split loop's launch arguments, got block_n"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=True, block_n=32)
-    q3, cache3, block_table3, seq_lens3, kc3, vc3 = mse_setup(MSE_CASES[1], device)
-    with pytest.raises(ValueError, match="mma=True needs MSE key and value codecs of 4 bits each"):
+    q3, cache3, block_table3, seq_lens3, kc3, vc3 = mse_setup(MSE_CASES[1], device)  # 3-bit keys
+    with pytest.raises(ValueError, match="mma=True needs MSE key and value codecs of 2 or 4 bits"):
         decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3, mma=True)
+    q2, cache2, block_table2, seq_lens2, kc2, vc2 = mse_setup(([40, 7], 8, 2, 64, 4, 2, 16, "haar"), device)
+    with pytest.raises(ValueError, match="mma=True needs a head dim of at least 128 for 2-bit values, got 64"):
+        decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2, mma=True)
+    decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2)  # 2-bit values at dim 64: the split loop
+    assert len(calls) == 1
+    q2, cache2, block_table2, seq_lens2, kc2, vc2 = mse_setup(([40, 7], 8, 2, 128, 2, 2, 16, "haar"), device)
+    expected = ref.decode_attention_reference(q2.half().float(), cache2, block_table2, seq_lens2, kc2, vc2)
+    assert rel_err(decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2), expected) <= TOL
+    assert len(calls) == 2  # K2V2 at dim 128: the mma loop
     q8 = torch.randn(2, 64, 64, device=device, dtype=torch.float16)  # 32 query heads per KV head
     with pytest.raises(ValueError, match="mma=True needs at most 16 query heads per KV head, got 32"):
         decode_attention(q8, cache, block_table, seq_lens, kc, vc, mma=True)
@@ -308,6 +320,22 @@ def test_mma_lookups_give_operand_pairs():
     for coord in range(8):
         for p in range(2):
             assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2], pair(idx[2 * p][coord], idx[2 * p + 1][coord]))
+    # 2 bit: a word holds 16 indices; lookup pair p of a word holds its coordinates p % 4 + 8 (p // 4) and 4 more
+    kc2 = mse_codecs(128, 2, 2, "haar")[0]
+    tables2 = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc2)[:2]]
+    c16 = kc2.centroids.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+    idx = [(words[i][None, :] >> (2 * np.arange(16)[:, None]).astype(np.uint32)) & 3 for i in range(4)]  # [16, 64]
+    outs = ptx.run(decode_mma.LOOKUP2_TWO_KEYS.value, "=r," * 16 + "r," * 3 + "r", [words[0], words[1], *tables2])
+    for p in range(8):
+        c = p % 4 + 8 * (p // 4)
+        for x in range(2):
+            assert np.array_equal(outs[2 * p + x], pair(idx[x][c], idx[x][c + 4]))
+    for half, asm in enumerate((decode_mma.LOOKUP2_FOUR_VALUES_LO, decode_mma.LOOKUP2_FOUR_VALUES_HI)):
+        outs = ptx.run(asm.value, "=r," * 16 + "r," * 5 + "r", [*words, *tables2])
+        for coord in range(8):
+            for p in range(2):
+                assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2],
+                                      pair(idx[2 * p][8 * half + coord], idx[2 * p + 1][8 * half + coord]))
 
 
 def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
@@ -340,11 +368,12 @@ def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
     assert [c[0] for c in calls] == ["jit", "compiled", "jit", "jit", "jit"]
 
 
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_mma_orders_are_permutations(dim):
+def test_mma_orders_are_permutations(dim, bits):
     from kvlab import decode_mma
 
-    for order in (decode_mma.query_order(dim), decode_mma.output_order(dim)):
+    for order in (decode_mma.query_order(dim, bits), decode_mma.output_order(dim)):
         assert torch.equal(torch.sort(order).values, torch.arange(dim))
 
 
@@ -612,4 +641,6 @@ def test_ncu_summary_reproduces_the_committed_counters(tmp_path):
     assert json.loads(out.read_text()) == json.loads(committed.read_text())
     kernels = json.loads(out.read_text())["kernels"]
     assert list(kernels) == [c[0] for c in ncu_decode.CONFIGS]
-    assert all(k["kernel"] == "_decode_split_kernel" for name, k in kernels.items() if name != "sdpa_fp16")
+    loops = {name: "decode_mma_kernel" if "defaults" in name and name.startswith("mse") else "_decode_split_kernel"
+             for name in kernels if name != "sdpa_fp16"}  # 2- and 4-bit MSE caches take the mma loop by default
+    assert all(kernels[name]["kernel"] == loop for name, loop in loops.items())
