@@ -519,10 +519,16 @@ prmt.b32 {outs[3]}, l1, h1, {s1};
 # four table registers.
 _LOOKUP4 = tl.constexpr(lookup4_ptx("$4", ("$0", "$1", "$2", "$3")))
 
-_LOOKUP3 = tl.constexpr("""{
+def lookup3_ptx(group: str, outs, tables=("$5", "$6", "$7", "$8")) -> str:
+    """PTX block of the 3-bit lookup: the eight 3-bit indices in the low 24 bits of ``group`` (the bits
+    above are ignored) -> four fp16 pairs ``outs``, output ``j`` holding indices ``2 j, 2 j + 1``, from
+    the byte planes of the 8-entry codebook in ``tables`` (low bytes of entries 0-3, 4-7, high bytes
+    0-3, 4-7). Three mask-and-shift rounds spread the fields into the nibbles of a ``prmt`` selector."""
+    T = tables
+    return f"""{{
 .reg .b32 a, b, x, xh, l0, h0, l1, h1;
-and.b32 a, $4, 0xFFF;
-shl.b32 b, $4, 4;
+and.b32 a, {group}, 0xFFF;
+shl.b32 b, {group}, 4;
 and.b32 b, b, 0x0FFF0000;
 or.b32 x, a, b;
 and.b32 a, x, 0x003F003F;
@@ -534,15 +540,18 @@ shl.b32 b, x, 1;
 and.b32 b, b, 0x70707070;
 or.b32 x, a, b;
 shr.b32 xh, x, 16;
-prmt.b32 l0, $5, $6, x;
-prmt.b32 h0, $7, $8, x;
-prmt.b32 l1, $5, $6, xh;
-prmt.b32 h1, $7, $8, xh;
-prmt.b32 $0, l0, h0, 0x5140;
-prmt.b32 $1, l0, h0, 0x7362;
-prmt.b32 $2, l1, h1, 0x5140;
-prmt.b32 $3, l1, h1, 0x7362;
-}""")
+prmt.b32 l0, {T[0]}, {T[1]}, x;
+prmt.b32 h0, {T[2]}, {T[3]}, x;
+prmt.b32 l1, {T[0]}, {T[1]}, xh;
+prmt.b32 h1, {T[2]}, {T[3]}, xh;
+prmt.b32 {outs[0]}, l0, h0, 0x5140;
+prmt.b32 {outs[1]}, l0, h0, 0x7362;
+prmt.b32 {outs[2]}, l1, h1, 0x5140;
+prmt.b32 {outs[3]}, l1, h1, 0x7362;
+}}"""
+
+
+_LOOKUP3 = tl.constexpr(lookup3_ptx("$4", ("$0", "$1", "$2", "$3")))
 
 # 2 bit: $0..$7 fp16 pairs of sixteen tile positions; inputs: the word, two table registers
 def lookup2_ptx(word: str, outs, tables=("$9", "$10")) -> str:
