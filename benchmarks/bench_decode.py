@@ -319,8 +319,6 @@ def main():
         kc, vc, layout = codecs(kind, kb, vb)
         cache, block_table, seq_lens = random_cache(kind, layout, b, L)
         q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
-        default_splits = kvlab.decode._default_splits(b, HKV, L, 64, q.device)
-        mma_splits = kvlab.decode._mma_splits(b, HKV, L, q.device)
         times = {}
         for cfg in SWEEP:
             if cfg.get("prefetch") and kind == "affine":
@@ -329,9 +327,7 @@ def main():
                 continue  # the MSE path is fast by default
             if cfg.get("mma") and (kind != "mse" or {kb, vb} - set(kvlab.decode_mma.BITS)):
                 continue  # the loop of kvlab.decode_mma: 2- and 4-bit MSE keys and values
-            kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
-            base_splits = mma_splits if cfg.get("mma") else default_splits
-            kw["num_splits"] = max(1, round(base_splits * cfg.get("splits_factor", 1)))
+            kw, _ = grid_launch(cfg, kind, kb, vb, q, b, L)
             try:
                 ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw))
             except Exception as e:  # a configuration that does not compile or fit
@@ -343,8 +339,7 @@ def main():
         best[(kind, kb, vb)] = dict(min(times, key=times.get))
         if kind == "mse" and not best[(kind, kb, vb)].get("mma"):  # the generic unpack at the best configuration
             cfg = best[(kind, kb, vb)]
-            kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
-            kw["num_splits"] = max(1, round(default_splits * cfg.get("splits_factor", 1)))
+            kw, _ = grid_launch(cfg, kind, kb, vb, q, b, L)
             ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, fast=False, **kw))
             sweep_rows.append(dict(codec=kind, key_bits=kb, value_bits=vb, config=str(cfg) + " fast=False",
                                    num_splits=kw["num_splits"], time_ms=ms))

@@ -519,6 +519,7 @@ prmt.b32 {outs[3]}, l1, h1, {s1};
 # four table registers.
 _LOOKUP4 = tl.constexpr(lookup4_ptx("$4", ("$0", "$1", "$2", "$3")))
 
+
 def lookup3_ptx(group: str, outs, tables=("$5", "$6", "$7", "$8")) -> str:
     """PTX block of the 3-bit lookup: the eight 3-bit indices in the low 24 bits of ``group`` (the bits
     above are ignored) -> four fp16 pairs ``outs``, output ``j`` holding indices ``2 j, 2 j + 1``, from

@@ -568,7 +568,7 @@ def test_bad_centered_inputs(device):
 def test_launch_defaults(entry, device):
     """A call of the split loop that sets no launch argument runs its cache's LAUNCH_DEFAULTS entry (the same
     output, bit for bit, as passing that entry), and it matches the reference. (``mma=False``: with no
-    argument at all, 4-bit MSE caches on a GPU take the loop of kvlab.decode_mma instead.)"""
+    argument at all, 2- and 4-bit MSE caches on a GPU take the loop of kvlab.decode_mma instead.)"""
     kind, bits = entry
     lens, offset = [150, 7], 0
     if kind == "affine":
