@@ -12,7 +12,7 @@ term per key, ``rope_mean_scores``) and the affine codec (groups of 32) at K4V4 
 in the same run: at each grid point the fastest of the ways SDPA can run it (``sdpa_variants``: the query group
 of a KV head as SDPA's query axis, or one query row per head with ``enable_gqa``, each with torch's choice of
 kernel and with each backend forced; no head is copied), named in the CSV's ``config``. The grid
-runs what a caller who sets no launch argument gets (for MSE keys and values of 2 or 4 bits the loop of
+runs what a caller who sets no launch argument gets (for MSE keys and values of 2, 3 or 4 bits the loop of
 ``kvlab.decode_mma``, else the split loop at its ``launch_defaults``; the CSV's ``config`` says which),
 or with ``--sweep`` the fastest configuration of the sweep.
 
@@ -326,7 +326,7 @@ def main():
             if "fast" in cfg and kind != "affine":
                 continue  # the MSE path is fast by default
             if cfg.get("mma") and (kind != "mse" or {kb, vb} - set(kvlab.decode_mma.BITS)):
-                continue  # the loop of kvlab.decode_mma: 2- and 4-bit MSE keys and values
+                continue  # the loop of kvlab.decode_mma: 2-, 3- and 4-bit MSE keys and values
             kw, _ = grid_launch(cfg, kind, kb, vb, q, b, L)
             try:
                 ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw))

@@ -155,12 +155,12 @@ def _record(out: str, only: set[str]) -> None:
                                 ("decode split step, keys as rows, 128 keys", dict(plain, keys_as_rows=True, block_n=128))):
                 case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
                      per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes, compiled=dict(FAST=True))
-        # the loop of kvlab.decode_mma (MSE keys and values of 2 or 4 bits, Gluon: the interpreter cannot run
+        # the loop of kvlab.decode_mma (MSE keys and values of 2, 3 or 4 bits, Gluon: the interpreter cannot run
         # it, so the launch that decode_attention makes on a GPU is written here); one trip of its loop is two
         # steps of STEP keys
         from kvlab import decode_mma
 
-        for bits in (4, 2):
+        for bits in (4, 3, 2):
             layout = kvlab.MSESlot(DIM, bits, bits)
             runtime = dict(q_ptr="*fp16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", o_part_ptr="*fp32",
                            ml_part_ptr="*fp32") | {name: "i32" for name in decode_mma._RUNTIME[6:]}
@@ -170,7 +170,7 @@ def _record(out: str, only: set[str]) -> None:
             keys = 2 * decode_mma.STEP
             launches.append(dict(module="kvlab.decode_mma", kernel="decode_mma_kernel", case="decode mma trip", bits=bits,
                                  signature=runtime | {k: "constexpr" for k in constants}, constants=constants, aligned=[],
-                                 options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8)), programs=1,
+                                 options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8, bits)), programs=1,
                                  bytes=keys * layout.slot_bytes, keys_per_trip=keys))
         # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
         # one (fast=True, which the interpreter cannot run without a PTX emulator: the same launch, marked)

@@ -34,8 +34,8 @@ What
     Split-KV (flash-decoding): the keys of a sequence are cut into ``num_splits`` ranges; one program
     per (sequence, KV head, range) computes an unnormalised partial output with its running maximum and
     sum (base-2 online softmax), and a second kernel merges the ranges with a log-sum-exp reduction.
-    Two loops compute the partial outputs: for MSE keys and values of 2 or 4 bits on a GPU (dim 64 or
-    128, 2-bit values at 128, at most 16 query heads per KV head) by default the one of ``kvlab.decode_mma`` (Gluon: every tile is
+    Two loops compute the partial outputs: for MSE keys and values of 2, 3 or 4 bits on a GPU (dim 64 or
+    128; 2-bit values and 3-bit keys or values at 128; at most 16 query heads per KV head) by default the one of ``kvlab.decode_mma`` (Gluon: every tile is
     dequantized in the register layout of an ``mma.sync`` operand, none goes through shared memory),
     otherwise the split loop below (``_decode_split_kernel``); ``mma=`` chooses.
 
@@ -802,8 +802,10 @@ def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, 
 
 
 def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
-    """The default split count of the loop of ``kvlab.decode_mma``."""
-    return _default_splits(batch, num_kv_heads, capacity, decode_mma.STEP, device, decode_mma.PROGRAMS_PER_SM)
+    """The default split count of the loop of ``kvlab.decode_mma``: about ``decode_mma.PROGRAMS_PER_SM``
+    programs an SM, at most ``decode_mma.MAX_SPLITS`` splits of a sequence."""
+    return min(decode_mma.MAX_SPLITS,
+               _default_splits(batch, num_kv_heads, capacity, decode_mma.STEP, device, decode_mma.PROGRAMS_PER_SM))
 
 
 def _on_device(device: torch.device):
@@ -839,11 +841,14 @@ def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) ->
     if _capability(q.device) < (8, 0):
         return "a GPU of compute capability 8.0 or later (mma.sync m16n8k16)"
     if kind != "mse" or centered is not None or key_codec.bits not in decode_mma.BITS or value_codec.bits not in decode_mma.BITS:
-        return f"MSE key and value codecs of {' or '.join(map(str, decode_mma.BITS))} bits (not centred keys)"
+        widths = ", ".join(map(str, decode_mma.BITS[:-1])) + f" or {decode_mma.BITS[-1]}"
+        return f"MSE key and value codecs of {widths} bits (not centred keys)"
     if q.shape[-1] not in decode_mma.DIMS:
         return f"a head dim in {decode_mma.DIMS}, got {q.shape[-1]}"
     if value_codec.bits * q.shape[-1] < 256:
         return f"a head dim of at least 128 for {value_codec.bits}-bit values, got {q.shape[-1]}"
+    if key_codec.bits == 3 and q.shape[-1] != 128:
+        return f"a head dim of 128 for 3-bit keys, got {q.shape[-1]}"
     if q.shape[-2] // num_kv_heads > decode_mma.MAX_GROUP:
         return f"at most {decode_mma.MAX_GROUP} query heads per KV head, got {q.shape[-2] // num_kv_heads}"
     if _prmt_tables(key_codec) is None or _prmt_tables(value_codec) is None:
@@ -887,7 +892,7 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
     if batch == 0:
         return out.to(q.dtype)
     group_rows = max(8, _next_power_of_2(num_q_heads // num_kv_heads))
-    max_registers = decode_mma.num_registers(group_rows)
+    max_registers = decode_mma.num_registers(group_rows, vb)
     extra = {} if max_registers is None else dict(maxnreg=max_registers)
     with _on_device(device):
         decode_mma.launch(
@@ -950,8 +955,8 @@ def decode_attention(
     ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
     ``check=False`` never syncs and reads whatever blocks the table names.
 
-    ``mma`` picks the loop: ``True`` the loop of ``kvlab.decode_mma`` (MSE keys and values of 2 or 4
-    bits, dim 64 or 128 (2-bit values: 128), at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the
+    ``mma`` picks the loop: ``True`` the loop of ``kvlab.decode_mma`` (MSE keys and values of 2, 3 or 4
+    bits, dim 64 or 128 (2-bit values, 3-bit keys or values: 128), at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the
     tiles are dequantized in the tensor cores' register operands), ``False`` the split loop above
     (``_decode_split_kernel``). ``None`` (the default) takes the first wherever it applies and no
     launch argument of the split loop (``block_n``, ``num_warps``, ``num_stages``, ``max_registers``,

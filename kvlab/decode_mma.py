@@ -1,8 +1,9 @@
-"""The decode loop over a 2- or 4-bit MSE cache on the tensor cores' register operands (Gluon, GPU only).
+"""The decode loop over a 2-, 3- or 4-bit MSE cache on the tensor cores' register operands (Gluon, GPU only).
 
 What
-    The split loop of ``kvlab.decode`` for MSE keys and values of 2 or 4 bits each (2-bit values: dim
-    128, so that a thread's value code is a whole number of words): one program, one warp,
+    The split loop of ``kvlab.decode`` for MSE keys and values of 2, 3 or 4 bits each (2-bit values and
+    3-bit keys or values: dim 128, so that a thread's code is a whole number of words, or of 3-byte groups
+    of 8 indices): one program, one warp,
     attends a query group over a range of keys and writes the unnormalised partial output, its running
     maximum and sum, exactly as ``_decode_split_kernel`` does (``decode_attention`` merges the ranges
     and rotates the output back). It is written in Gluon, Triton's layout-explicit dialect, so that
@@ -24,10 +25,15 @@ How (per step of ``BN = 16`` keys)
       coordinates ``D/8 g ..`` of four keys (``2 t, 2 t + 1, 2 t + 8, 2 t + 9``) and MMA row
       ``g + 8 j`` is coordinate ``D/8 g + j`` (``output_order``, both widths). The query's rotation
       takes the first order, the merge puts the second back.
-    * Lookups: the byte-permute lookups of ``kvlab.mse`` (``lookup4_ptx``, ``lookup2_ptx``), on two key words at once
+    * Lookups: the byte-permute lookups of ``kvlab.mse`` (``lookup4_ptx``, ``lookup3_ptx``, ``lookup2_ptx``), on two key words at once
       (outputs in the order of two A fragments), and on four value words at once: the words of the
       key pairs are interleaved byte by byte first, so that each fp16 pair holds one coordinate of two
       keys, as an A fragment of ``V^T`` needs.
+    * 3 bits: a group of 8 indices is 3 bytes and takes the place of a 4-bit word (same orders). A key
+      thread reads 3 words (4 groups); a value thread's 6 bytes start 2 bytes past a word boundary or on
+      one (even or odd ``g``), so it reads the two aligned words that hold them and shifts by 16 or 0.
+      The value lookup spreads each group's indices into the nibbles of a ``prmt`` selector, then
+      interleaves the selectors of a key pair byte by byte, as the 4-bit words are.
     * ``P^T`` comes from ``S^T``'s accumulator (scaled by each key's value norm, rounded to fp16) by
       one small exchange within the warp; the key norm scales ``S^T``'s rows.
     * Reads: a step is a block-table entry (when ``block_size`` is a multiple of 16, one per step; else
@@ -49,22 +55,28 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .mse import lookup2_ptx, lookup4_ptx
+from .mse import lookup2_ptx, lookup3_ptx, lookup4_ptx, spread3_ptx
 
 __all__ = ["DIMS", "STEP", "launch", "output_order", "query_order"]
 
 STEP = 16  # keys per step
 BN = gl.constexpr(STEP)
 DIMS = (64, 128)
-BITS = (2, 4)  # key and value widths the loop reads (2-bit values: dim 128)
-DEFAULT_BITS = {(4, 4), (2, 2), (4, 2), (2, 4)}  # (key, value) widths decode_attention runs here by default: measured faster on the grid
+BITS = (2, 3, 4)  # key and value widths the loop reads (2-bit values and 3-bit keys or values: dim 128)
+# (key, value) widths decode_attention runs here by default: all, each measured faster than the split loop
+# (results/decode_attention.csv; 3 bits: results/decode_mma_3bit_probe.json)
+DEFAULT_BITS = {(kb, vb) for kb in BITS for vb in BITS}
 MAX_GROUP = 16  # query heads per KV head
-PROGRAMS_PER_SM = 24  # default number of splits: about this many one-warp programs per SM
+PROGRAMS_PER_SM = 32  # default number of splits: about this many one-warp programs per SM,
+MAX_SPLITS = 400  # and at most this many splits of a sequence (results/decode_mma_launch_probe.json)
 
 
-def num_registers(group_rows: int) -> int | None:
-    """The launch's register cap (``maxnreg``): 152 for 8 query rows (13 programs an SM, no spills), none for 16."""
-    return 152 if group_rows <= 8 else None
+def num_registers(group_rows: int, value_bits: int) -> int | None:
+    """The launch's register cap (``maxnreg``) for 8 query rows: 128 with 2-bit values (16 programs an SM),
+    else 152 (13 programs an SM); none for 16 rows. No spills at either cap."""
+    if group_rows > 8:
+        return None
+    return 128 if value_bits == 2 else 152
 
 
 MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -112,22 +124,54 @@ def _four_values2(half: int) -> str:
 LOOKUP2_FOUR_VALUES_LO = gl.constexpr(_four_values2(0))
 LOOKUP2_FOUR_VALUES_HI = gl.constexpr(_four_values2(1))
 
+# 3 bit: two key groups (24 bits each: the same 8 coordinates of keys g and g + 8) -> 8 fp16 pairs, in the
+# order of the 4-bit lookup of two key words
+LOOKUP3_TWO_KEYS = gl.constexpr(
+    "{\n" + lookup3_ptx("$8", ("$0", "$2", "$4", "$6"), tables=("$10", "$11", "$12", "$13"))
+    + lookup3_ptx("$9", ("$1", "$3", "$5", "$7"), tables=("$10", "$11", "$12", "$13")) + "}")
+
+
+def _four_values3() -> str:
+    """3 bit: four value groups (the same 8 coordinates of keys k0, k1 = pair 0 and k2, k3 = pair 1) -> 16
+    fp16 pairs, in the order of the 4-bit lookup of four value words: each group is spread into the
+    nibbles of a selector (``spread3_ptx``), whose bytes are then interleaved as the 4-bit words' are."""
+    body = "{\n.reg .b32 x0, x1, x2, x3, m0lo, m0hi, m1lo, m1hi;\n"
+    body += "".join(spread3_ptx(f"${16 + k}", f"x{k}") for k in range(4))
+    body += ("prmt.b32 m0lo, x0, x1, 0x5140;\nprmt.b32 m0hi, x0, x1, 0x7362;\n"
+             "prmt.b32 m1lo, x2, x3, 0x5140;\nprmt.b32 m1hi, x2, x3, 0x7362;\n")
+    for pair, words in enumerate((("m0lo", "m0hi"), ("m1lo", "m1hi"))):
+        for half, word in enumerate(words):  # coordinates 4 half .. 4 half + 3
+            outs = [f"${4 * ((4 * half + c) // 2) + 2 * pair + c % 2}" for c in range(4)]
+            body += lookup3_ptx(word, outs, ("0x6240", "0x7351"), ("$20", "$21", "$22", "$23"), spread=False)
+    return body + "}"
+
+
+LOOKUP3_FOUR_VALUES = gl.constexpr(_four_values3())
+
 
 def _bits(n: int) -> range:
     return range(n.bit_length() - 1)
 
 
+def key_words(dim: int, bits: int) -> tuple[int, int]:
+    """(words of a key code a thread of the A fragment reads, the power of two it holds them in): 3-bit
+    codes read 3 words (four groups of 8 indices) into 4."""
+    n = dim * bits // 128
+    return n, 1 << (n - 1).bit_length()
+
+
 @functools.lru_cache(maxsize=None)
 def key_words_layout(dim: int, bits: int) -> gl.DistributedLinearLayout:
-    """``[BN, 4, dim bits / 128]`` words (key ``g + 8 j``, thread column ``t``, word ``q``) on the A fragment's threads."""
-    nw = dim * bits // 128
+    """``[BN, 4, key_words(dim, bits)[1]]`` words (key ``g + 8 j``, thread column ``t``, word ``q``) on the A fragment's threads."""
+    nw = key_words(dim, bits)[1]
     reg = [[0, 0, 1 << i] for i in _bits(nw)] + [[8, 0, 0]]
     return gl.DistributedLinearLayout(reg, [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [], [], [STEP, 4, nw])
 
 
 @functools.lru_cache(maxsize=None)
 def value_words_layout(dim: int, bits: int) -> gl.DistributedLinearLayout:
-    """``[BN, 8, dim bits / 256]`` words (key ``16 c + 8 h + 2 t + e``, thread row ``g``, word ``w``)."""
+    """``[BN, 8, dim bits / 256]`` words (key ``16 c + 8 h + 2 t + e``, thread row ``g``, word ``w``); 3 bits
+    (dim 128): one, the first of the two aligned words that hold the thread's 6 bytes."""
     nw = dim * bits // 256
     reg = [[1, 0, 0], [8, 0, 0]] + [[0, 0, 1 << i] for i in _bits(nw)]
     return gl.DistributedLinearLayout(reg, [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [], [], [STEP, 8, nw])
@@ -137,8 +181,8 @@ def query_order(dim: int, bits: int = 4) -> torch.Tensor:
     """int64 ``[dim]``: the rotated coordinate at each column of the key operand (the query is permuted to match)."""
     k = torch.arange(dim)
     e, t = k % 2, (k // 2) % 4
-    words = dim * bits // 128  # per thread
-    if bits == 4:  # column 32 q + 16 r1 + 8 r0 + 2 t + e: pair r = r0 + 2 r1 of word q
+    words = dim // 32 if bits in (3, 4) else dim * bits // 128  # words (3 bits: groups of 8 indices) per thread
+    if bits in (3, 4):  # column 32 q + 16 r1 + 8 r0 + 2 t + e: pair r = r0 + 2 r1 of word (group) q
         q, r = k // 32, (k // 8) % 2 + 2 * ((k // 16) % 2)
         return 8 * (t * words + q) + 2 * r + e
     q, p = k // 64, (k // 8) % 2 + 2 * ((k // 16) % 2) + 4 * ((k // 32) % 2)  # 2 bit: pair p of word q
@@ -177,18 +221,22 @@ def _slots(block_table_ptr, blk, n0, o_n, end, i_b, i_h, stride_bt, stride_block
 
 
 @gluon.jit
-def _fetch(cache_ptr, block_table_ptr, blk, n0, end, i_b, i_h, o_nk, o_wk, o_nv, o_wv, o_nc, stride_bt, stride_block,
+def _fetch(cache_ptr, block_table_ptr, blk, n0, end, i_b, i_h, o_nk, o_wk, m_wk, o_nv, o_wv, o_nc, stride_bt, stride_block,
            stride_pos, stride_head, BLOCK_SIZE: gl.constexpr, KEY_NORM_OFFSET: gl.constexpr, VALUE_OFFSET: gl.constexpr,
-           VALUE_NORM_OFFSET: gl.constexpr):
-    """The reads of the step at keys ``n0 .. n0 + BN``: key words, the two aligned words around each value
-    word, key and value norms (raw fp16 bits)."""
+           VALUE_NORM_OFFSET: gl.constexpr, KW: gl.constexpr, NWT: gl.constexpr):
+    """The reads of the step at keys ``n0 .. n0 + BN``: key words (the first ``KW`` of ``NWT``, ``m_wk``), the
+    two aligned words around each value word, key and value norms (raw fp16 bits)."""
     m_k, s_k = _slots(block_table_ptr, blk, n0, o_nk, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
                       BLOCK_SIZE)
     m_v, s_v = _slots(block_table_ptr, blk, n0, o_nv, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
                       BLOCK_SIZE)
     m_c, s_c = _slots(block_table_ptr, blk, n0, o_nc, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
                       BLOCK_SIZE)
-    w_k = gl.load((cache_ptr + s_k).to(gl.pointer_type(gl.int32))[:, None, None] + o_wk, mask=m_k[:, None, None], other=0)
+    if KW == NWT:
+        m_k = m_k[:, None, None]
+    else:
+        m_k = m_k[:, None, None] & m_wk
+    w_k = gl.load((cache_ptr + s_k).to(gl.pointer_type(gl.int32))[:, None, None] + o_wk, mask=m_k, other=0)
     p_v = (cache_ptr + s_v + VALUE_OFFSET - 2).to(gl.pointer_type(gl.int32))[:, None, None] + o_wv
     w_a = gl.load(p_v, mask=m_v[:, None, None], other=0)
     w_b = gl.load(p_v + 1, mask=m_v[:, None, None], other=0)
@@ -210,13 +258,27 @@ def _join_bits(xs, LEVELS: gl.constexpr):
 
 
 @gluon.jit
+def _groups3(w):
+    """``[n, m, 4]`` words, the first three a 96-bit code -> ``[n, m, 4]`` its four 24-bit groups (low bits)."""
+    n: gl.constexpr = w.shape[0]
+    m: gl.constexpr = w.shape[1]
+    w_even, w_odd = gl.split(gl.reshape(w.to(gl.uint32), [n, m, 2, 2]))  # words (0, 2), (1, 3)
+    w0, w2 = gl.split(w_even)
+    w1, _ = gl.split(w_odd)
+    g = _join_bits((w0, (w0 >> 24) | (w1 << 8), (w1 >> 16) | (w2 << 16), w2 >> 8), 2)  # [n, m, a, b]: group a + 2 b
+    return gl.reshape(gl.permute(g, (0, 1, 3, 2)), [n, m, 4]).to(gl.int32)
+
+
+@gluon.jit
 def _key_tile(w_k, tk0, tk1, tk2, tk3, D: gl.constexpr, BITS: gl.constexpr):
     """Key words -> the A operand K ``[BN, D]`` fp16 (columns in ``query_order``)."""
-    NWT: gl.constexpr = D * BITS // 128
+    NWT: gl.constexpr = D * BITS // 128 if BITS != 3 else 4
+    if BITS == 3:  # three words (the fourth is not read) -> four groups of 8 indices, as 4-bit words are
+        w_k = _groups3(w_k)
     # words of keys g and g + 8 side by side
     w_ka, w_kb = gl.split(gl.permute(gl.reshape(w_k, [BN // 16, 2, 8, 4, NWT]), (0, 2, 3, 4, 1)))
-    if BITS == 4:
-        ko = gl.inline_asm_elementwise(LOOKUP4_TWO_KEYS, "=r," * 8 + "r,r,r,r,r,r", [w_ka, w_kb, tk0, tk1, tk2, tk3],
+    if BITS != 2:
+        ko = gl.inline_asm_elementwise(LOOKUP4_TWO_KEYS if BITS == 4 else LOOKUP3_TWO_KEYS, "=r," * 8 + "r,r,r,r,r,r", [w_ka, w_kb, tk0, tk1, tk2, tk3],
                                        dtype=(gl.int32,) * 8, is_pure=True, pack=1)
         lo, hi = _halves(_join_bits(ko, 3))
         # axes (m, g, t, q, key b, r0, r1, e) -> rows (m, key b, g), columns (q, r1, r0, t, e)
@@ -231,16 +293,23 @@ def _key_tile(w_k, tk0, tk1, tk2, tk3, D: gl.constexpr, BITS: gl.constexpr):
 
 
 @gluon.jit
-def _value_tile(w_a, w_b, tv0, tv1, tv2, tv3, D: gl.constexpr, BITS: gl.constexpr):
-    """The two aligned words around each value word -> the A operand V^T ``[D, BN]`` fp16 (rows in ``output_order``)."""
-    NWV: gl.constexpr = D * BITS // 256
-    # the middle 32 bits of each pair of aligned words; keys (2t, 2t+1) and (2t+8, 2t+9)
-    w_v = ((w_a.to(gl.uint32) >> 16) | (w_b.to(gl.uint32) << 16)).to(gl.int32)
+def _value_tile(w_a, w_b, v_shift, tv0, tv1, tv2, tv3, D: gl.constexpr, BITS: gl.constexpr):
+    """The two aligned words around each value word -> the A operand V^T ``[D, BN]`` fp16 (rows in
+    ``output_order``). 3 bits: the two aligned words that hold a thread's 6 bytes, from bit ``v_shift``."""
+    if BITS == 3:  # two groups of 8 indices, as the two words of a 4-bit code
+        NWV: gl.constexpr = 2
+        x = ((w_b.to(gl.uint32).to(gl.uint64) << 32) | w_a.to(gl.uint32).to(gl.uint64)) >> v_shift
+        w_v = gl.reshape(gl.join(x.to(gl.uint32), (x >> 24).to(gl.uint32)), [BN, 8, 2]).to(gl.int32)
+    else:
+        NWV: gl.constexpr = D * BITS // 256
+        # the middle 32 bits of each pair of aligned words
+        w_v = ((w_a.to(gl.uint32) >> 16) | (w_b.to(gl.uint32) << 16)).to(gl.int32)
+    # keys (2t, 2t+1) and (2t+8, 2t+9)
     e0, e1 = gl.split(gl.permute(gl.reshape(w_v, [BN // 16, 2, 4, 2, 8, NWV]), (0, 2, 4, 5, 1, 3)))
     v_0, v_2 = gl.split(e0)
     v_1, v_3 = gl.split(e1)
-    if BITS == 4:
-        vo = gl.inline_asm_elementwise(LOOKUP4_FOUR_VALUES, "=r," * 16 + "r,r,r,r,r,r,r,r",
+    if BITS != 2:
+        vo = gl.inline_asm_elementwise(LOOKUP4_FOUR_VALUES if BITS == 4 else LOOKUP3_FOUR_VALUES, "=r," * 16 + "r,r,r,r,r,r,r,r",
                                        [v_0, v_1, v_2, v_3, tv0, tv1, tv2, tv3], dtype=(gl.int32,) * 16, is_pure=True, pack=1)
         lo, hi = _halves(_join_bits(vo, 4))
         # axes (c, t, g, w, d, P, a0, a1, e) -> rows (w, a1, a0, d, g), columns (c, P, t, e)
@@ -257,7 +326,7 @@ def _value_tile(w_a, w_b, tv0, tv1, tv2, tv3, D: gl.constexpr, BITS: gl.constexp
 
 
 @gluon.jit
-def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, kn, vn, n0, end, o_nc, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
+def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, v_shift, kn, vn, n0, end, o_nc, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
             D: gl.constexpr, BG: gl.constexpr, BITS_K: gl.constexpr, BITS_V: gl.constexpr):
     """One step on what ``_fetch`` read: scores, online softmax (base 2), output update."""
     b_k = _key_tile(w_k, tk0, tk1, tk2, tk3, D, BITS_K)
@@ -269,7 +338,7 @@ def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, kn, vn, n0, end, o_nc, tk0, tk1,
     p = gl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + gl.sum(p, axis=0)
     acc = acc * alpha[None, :]
-    b_vt = _value_tile(w_a, w_b, tv0, tv1, tv2, tv3, D, BITS_V)
+    b_vt = _value_tile(w_a, w_b, v_shift, tv0, tv1, tv2, tv3, D, BITS_V)
     b_pt = gl.convert_layout((p * vn.to(gl.float16, bitcast=True).to(gl.float32)[:, None]).to(gl.float16), OPERAND_B)
     return mma_v2(b_vt, b_pt, acc), m_new, l_i
 
@@ -304,13 +373,14 @@ def decode_mma_kernel(
     VALUE_OFFSET: gl.constexpr,  # 2 more than a multiple of 4
     VALUE_NORM_OFFSET: gl.constexpr,
     BG: gl.constexpr,  # query rows per program: the group, at least 8
-    BITS_K: gl.constexpr,  # 2 or 4
-    BITS_V: gl.constexpr,  # 2 or 4 (2: D >= 128)
+    BITS_K: gl.constexpr,  # 2, 3 or 4 (3: D == 128)
+    BITS_V: gl.constexpr,  # 2, 3 or 4 (2 or 3: D == 128)
     KEY_WORDS: gl.constexpr,  # key_words_layout(D, BITS_K)
     VALUE_WORDS: gl.constexpr,  # value_words_layout(D, BITS_V)
 ):
     G: gl.constexpr = HQ // HKV
-    NWT: gl.constexpr = D * BITS_K // 128
+    KW: gl.constexpr = D * BITS_K // 128  # key code words a thread reads
+    NWT: gl.constexpr = KW if BITS_K != 3 else 4  # held in a power of two
     NWV: gl.constexpr = D * BITS_V // 256
     i_bh = gl.program_id(0).to(gl.int64)
     i_s = gl.program_id(1)
@@ -332,11 +402,17 @@ def decode_mma_kernel(
     o_nk = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, KEY_WORDS)))
     o_tk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_WORDS)))
     o_qk = gl.arange(0, NWT, layout=gl.SliceLayout(0, gl.SliceLayout(1, KEY_WORDS)))
-    o_wk = (o_tk * NWT)[None, :, None] + o_qk[None, None, :]
+    o_wk = (o_tk * KW)[None, :, None] + o_qk[None, None, :]
+    m_wk = (o_qk < KW)[None, None, :]
     o_nv = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, VALUE_WORDS)))
     o_gv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VALUE_WORDS)))
     o_qv = gl.arange(0, NWV, layout=gl.SliceLayout(0, gl.SliceLayout(1, VALUE_WORDS)))
-    o_wv = (o_gv * NWV)[None, :, None] + o_qv[None, None, :]
+    if BITS_V == 3:  # thread g's 6 bytes start at byte 6 g of the value code, 2 bytes past a word boundary if g is even
+        o_wv = ((6 * o_gv + 2) // 4)[None, :, None] + o_qv[None, None, :]
+        v_shift = (16 * (1 - o_gv % 2)).to(gl.uint64)[None, :, None]
+    else:
+        o_wv = (o_gv * NWV)[None, :, None] + o_qv[None, None, :]
+        v_shift = 0
     o_nc = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
 
     m_i = gl.full([BG], -1.0e30, gl.float32, layout=gl.SliceLayout(0, MMA))  # finite: no inf - inf
@@ -344,23 +420,23 @@ def decode_mma_kernel(
     acc = gl.full([D, BG], 0.0, gl.float32, layout=MMA)  # out^T
     blk = _block_of(block_table_ptr, i_b, stride_bt, start, end, BLOCK_SIZE)
     blk_b = _block_of(block_table_ptr, i_b, stride_bt, start + BN, end, BLOCK_SIZE)
-    a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk, start, end, i_b, i_h, o_nk, o_wk, o_nv, o_wv, o_nc,
+    a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk, start, end, i_b, i_h, o_nk, o_wk, m_wk, o_nv, o_wv, o_nc,
                                        stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, KEY_NORM_OFFSET,
-                                       VALUE_OFFSET, VALUE_NORM_OFFSET)
+                                       VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
     # two steps a trip, on two sets of reads (no copies between them); past the end the reads are masked
     # and the step changes nothing (its scores are -inf)
     for n0 in range(start, end, 2 * BN):
         blk_a = _block_of(block_table_ptr, i_b, stride_bt, n0 + 2 * BN, end, BLOCK_SIZE)
-        b_k, b_a, b_b, b_kn, b_vn = _fetch(cache_ptr, block_table_ptr, blk_b, n0 + BN, end, i_b, i_h, o_nk, o_wk, o_nv, o_wv,
+        b_k, b_a, b_b, b_kn, b_vn = _fetch(cache_ptr, block_table_ptr, blk_b, n0 + BN, end, i_b, i_h, o_nk, o_wk, m_wk, o_nv, o_wv,
                                            o_nc, stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE,
-                                           KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET)
-        acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, a_k, a_a, a_b, a_kn, a_vn, n0, end, o_nc, tk0, tk1, tk2, tk3,
+                                           KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
+        acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, a_k, a_a, a_b, v_shift, a_kn, a_vn, n0, end, o_nc, tk0, tk1, tk2, tk3,
                                 tv0, tv1, tv2, tv3, D, BG, BITS_K, BITS_V)
         blk_b = _block_of(block_table_ptr, i_b, stride_bt, n0 + 3 * BN, end, BLOCK_SIZE)
-        a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk_a, n0 + 2 * BN, end, i_b, i_h, o_nk, o_wk, o_nv,
+        a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk_a, n0 + 2 * BN, end, i_b, i_h, o_nk, o_wk, m_wk, o_nv,
                                            o_wv, o_nc, stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE,
-                                           KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET)
-        acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, b_k, b_a, b_b, b_kn, b_vn, n0 + BN, end, o_nc, tk0, tk1, tk2, tk3,
+                                           KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
+        acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, b_k, b_a, b_b, v_shift, b_kn, b_vn, n0 + BN, end, o_nc, tk0, tk1, tk2, tk3,
                                 tv0, tv1, tv2, tv3, D, BG, BITS_K, BITS_V)
 
     o_d = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))

@@ -520,36 +520,50 @@ prmt.b32 {outs[3]}, l1, h1, {s1};
 _LOOKUP4 = tl.constexpr(lookup4_ptx("$4", ("$0", "$1", "$2", "$3")))
 
 
-def lookup3_ptx(group: str, outs, tables=("$5", "$6", "$7", "$8")) -> str:
-    """PTX block of the 3-bit lookup: the eight 3-bit indices in the low 24 bits of ``group`` (the bits
-    above are ignored) -> four fp16 pairs ``outs``, output ``j`` holding indices ``2 j, 2 j + 1``, from
-    the byte planes of the 8-entry codebook in ``tables`` (low bytes of entries 0-3, 4-7, high bytes
-    0-3, 4-7). Three mask-and-shift rounds spread the fields into the nibbles of a ``prmt`` selector."""
-    T = tables
+def spread3_ptx(group: str, dst: str) -> str:
+    """PTX block: the eight 3-bit fields in the low 24 bits of ``group`` (the bits above are ignored) into
+    the eight nibbles of ``dst``, field ``j`` at bits ``4 j`` (a ``prmt`` selector). Three mask-and-shift
+    rounds."""
     return f"""{{
-.reg .b32 a, b, x, xh, l0, h0, l1, h1;
-and.b32 a, {group}, 0xFFF;
-shl.b32 b, {group}, 4;
-and.b32 b, b, 0x0FFF0000;
-or.b32 x, a, b;
-and.b32 a, x, 0x003F003F;
-shl.b32 b, x, 2;
-and.b32 b, b, 0x3F003F00;
-or.b32 x, a, b;
-and.b32 a, x, 0x07070707;
-shl.b32 b, x, 1;
-and.b32 b, b, 0x70707070;
-or.b32 x, a, b;
-shr.b32 xh, x, 16;
-prmt.b32 l0, {T[0]}, {T[1]}, x;
-prmt.b32 h0, {T[2]}, {T[3]}, x;
+.reg .b32 sa, sb, sx;
+and.b32 sa, {group}, 0xFFF;
+shl.b32 sb, {group}, 4;
+and.b32 sb, sb, 0x0FFF0000;
+or.b32 sx, sa, sb;
+and.b32 sa, sx, 0x003F003F;
+shl.b32 sb, sx, 2;
+and.b32 sb, sb, 0x3F003F00;
+or.b32 sx, sa, sb;
+and.b32 sa, sx, 0x07070707;
+shl.b32 sb, sx, 1;
+and.b32 sb, sb, 0x70707070;
+or.b32 {dst}, sa, sb;
+}}
+"""
+
+
+def lookup3_ptx(group: str, outs, pair_selectors=("0x5140", "0x7362"), tables=("$5", "$6", "$7", "$8"),
+                spread: bool = True) -> str:
+    """PTX block of the 3-bit lookup: the eight 3-bit indices in the low 24 bits of ``group`` (the bits
+    above are ignored) -> four fp16 pairs ``outs``, from the byte planes of the 8-entry codebook in
+    ``tables`` (low bytes of entries 0-3, 4-7, high bytes 0-3, 4-7): ``spread3_ptx`` puts the indices in
+    the nibbles of a ``prmt`` selector (``spread=False``: ``group`` is that selector already), one
+    ``prmt`` per plane and four indices picks the low and the high bytes, and four ``prmt`` interleave
+    them into fp16 pairs: with ``pair_selectors`` ``0x5140`` / ``0x7362`` output ``j`` holds indices
+    ``2 j, 2 j + 1``; with ``0x6240`` / ``0x7351`` it holds indices ``j'`` and ``j' + 2``
+    (``j' = j + 2 (j // 2)``)."""
+    T, (s0, s1) = tables, pair_selectors
+    x = "x" if spread else group
+    return ("{\n.reg .b32 x, xh, l0, h0, l1, h1;\n" + (spread3_ptx(group, "x") if spread else "") + f"""shr.b32 xh, {x}, 16;
+prmt.b32 l0, {T[0]}, {T[1]}, {x};
+prmt.b32 h0, {T[2]}, {T[3]}, {x};
 prmt.b32 l1, {T[0]}, {T[1]}, xh;
 prmt.b32 h1, {T[2]}, {T[3]}, xh;
-prmt.b32 {outs[0]}, l0, h0, 0x5140;
-prmt.b32 {outs[1]}, l0, h0, 0x7362;
-prmt.b32 {outs[2]}, l1, h1, 0x5140;
-prmt.b32 {outs[3]}, l1, h1, 0x7362;
-}}"""
+prmt.b32 {outs[0]}, l0, h0, {s0};
+prmt.b32 {outs[1]}, l0, h0, {s1};
+prmt.b32 {outs[2]}, l1, h1, {s0};
+prmt.b32 {outs[3]}, l1, h1, {s1};
+}}""")
 
 
 _LOOKUP3 = tl.constexpr(lookup3_ptx("$4", ("$0", "$1", "$2", "$3")))

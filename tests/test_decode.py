@@ -231,7 +231,7 @@ def test_longer_context_default_launch(device):
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
 
 
-# the loop of kvlab.decode_mma (MSE keys and values of 2 or 4 bits): batch lengths, q heads, kv heads, dim,
+# the loop of kvlab.decode_mma (MSE keys and values of 2, 3 or 4 bits): batch lengths, q heads, kv heads, dim,
 # key bits, value bits, block size, rotation
 MMA_CASES = [
     ([1], 4, 4, 64, 4, 4, 16, "haar"),  # one cached token, GQA ratio 1
@@ -242,6 +242,11 @@ MMA_CASES = [
     ([37, 100, 1], 8, 2, 128, 2, 2, 16, "haar"),  # 2-bit keys and values
     ([300, 77], 32, 2, 128, 4, 2, 32, "hadamard"),
     ([45, 130], 16, 2, 64, 2, 4, 8, "haar"),
+    ([37, 100, 1], 8, 2, 128, 3, 3, 16, "haar"),  # 3-bit keys and values (dim 128)
+    ([300, 77], 32, 2, 128, 4, 3, 32, "hadamard"),
+    ([45, 130], 16, 2, 128, 3, 4, 8, "haar"),
+    ([517], 8, 1, 128, 3, 2, 16, "hadamard"),
+    ([63, 64, 65], 8, 2, 128, 2, 3, 16, "haar"),
 ]
 MMA_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-k{c[4]}v{c[5]}-bs{c[6]}-{c[7]}" for c in MMA_CASES]
 
@@ -279,9 +284,12 @@ def test_mma_loop_choice(device, monkeypatch):
         return
     with pytest.raises(ValueError, match="mma=True takes none of the split loop's launch arguments, got block_n"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=True, block_n=32)
-    q3, cache3, block_table3, seq_lens3, kc3, vc3 = mse_setup(MSE_CASES[1], device)  # 3-bit keys
-    with pytest.raises(ValueError, match="mma=True needs MSE key and value codecs of 2 or 4 bits"):
+    q3, cache3, block_table3, seq_lens3, kc3, vc3 = mse_setup(MSE_CASES[5], device)  # 3-bit keys at dim 64
+    with pytest.raises(ValueError, match="mma=True needs a head dim of 128 for 3-bit keys, got 64"):
         decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3, mma=True)
+    qc, cachec, block_tablec, seq_lensc, kcc, vcc = affine_setup(AFFINE_CASES[0], device)
+    with pytest.raises(ValueError, match="mma=True needs MSE key and value codecs of 2, 3 or 4 bits"):
+        decode_attention(qc.half(), cachec, block_tablec, seq_lensc, kcc, vcc, mma=True)
     q2, cache2, block_table2, seq_lens2, kc2, vc2 = mse_setup(([40, 7], 8, 2, 64, 4, 2, 16, "haar"), device)
     with pytest.raises(ValueError, match="mma=True needs a head dim of at least 128 for 2-bit values, got 64"):
         decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2, mma=True)
@@ -291,6 +299,12 @@ def test_mma_loop_choice(device, monkeypatch):
     expected = ref.decode_attention_reference(q2.half().float(), cache2, block_table2, seq_lens2, kc2, vc2)
     assert rel_err(decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2), expected) <= TOL
     assert len(calls) == 2  # K2V2 at dim 128: the mma loop
+    decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3)  # 3-bit keys at dim 64: the split loop
+    assert len(calls) == 2
+    q3, cache3, block_table3, seq_lens3, kc3, vc3 = mse_setup(MSE_CASES[1], device)  # K3V2 at dim 128: the mma loop
+    expected = ref.decode_attention_reference(q3.half().float(), cache3, block_table3, seq_lens3, kc3, vc3)
+    assert rel_err(decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3), expected) <= TOL
+    assert len(calls) == 3
     q8 = torch.randn(2, 64, 64, device=device, dtype=torch.float16)  # 32 query heads per KV head
     with pytest.raises(ValueError, match="mma=True needs at most 16 query heads per KV head, got 32"):
         decode_attention(q8, cache, block_table, seq_lens, kc, vc, mma=True)
@@ -336,6 +350,20 @@ def test_mma_lookups_give_operand_pairs():
             for p in range(2):
                 assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2],
                                       pair(idx[2 * p][8 * half + coord], idx[2 * p + 1][8 * half + coord]))
+    # 3 bit: a group is the low 24 bits of a word (the bits above are ignored); the outputs are in the
+    # order of the 4-bit lookups
+    kc3 = mse_codecs(128, 3, 3, "haar")[0]
+    tables3 = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc3)]
+    c16 = kc3.centroids.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+    idx = [(words[i][None, :] >> (3 * np.arange(8)[:, None]).astype(np.uint32)) & 7 for i in range(4)]  # [8, 64]
+    outs = ptx.run(decode_mma.LOOKUP3_TWO_KEYS.value, "=r," * 8 + "r," * 5 + "r", [words[0], words[1], *tables3])
+    for r in range(4):
+        assert np.array_equal(outs[2 * r], pair(idx[0][2 * r], idx[0][2 * r + 1]))
+        assert np.array_equal(outs[2 * r + 1], pair(idx[1][2 * r], idx[1][2 * r + 1]))
+    outs = ptx.run(decode_mma.LOOKUP3_FOUR_VALUES.value, "=r," * 16 + "r," * 7 + "r", [*words, *tables3])
+    for coord in range(8):
+        for p in range(2):
+            assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2], pair(idx[2 * p][coord], idx[2 * p + 1][coord]))
 
 
 def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
@@ -368,7 +396,7 @@ def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
     assert [c[0] for c in calls] == ["jit", "compiled", "jit", "jit", "jit"]
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_mma_orders_are_permutations(dim, bits):
     from kvlab import decode_mma
@@ -568,7 +596,7 @@ def test_bad_centered_inputs(device):
 def test_launch_defaults(entry, device):
     """A call of the split loop that sets no launch argument runs its cache's LAUNCH_DEFAULTS entry (the same
     output, bit for bit, as passing that entry), and it matches the reference. (``mma=False``: with no
-    argument at all, 2- and 4-bit MSE caches on a GPU take the loop of kvlab.decode_mma instead.)"""
+    argument at all, MSE caches on a GPU take the loop of kvlab.decode_mma instead.)"""
     kind, bits = entry
     lens, offset = [150, 7], 0
     if kind == "affine":
@@ -642,5 +670,5 @@ def test_ncu_summary_reproduces_the_committed_counters(tmp_path):
     kernels = json.loads(out.read_text())["kernels"]
     assert list(kernels) == [c[0] for c in ncu_decode.CONFIGS]
     loops = {name: "decode_mma_kernel" if "defaults" in name and name.startswith("mse") else "_decode_split_kernel"
-             for name in kernels if name != "sdpa_fp16"}  # 2- and 4-bit MSE caches take the mma loop by default
+             for name in kernels if name != "sdpa_fp16"}  # MSE caches take the mma loop by default
     assert all(kernels[name]["kernel"] == loop for name, loop in loops.items())
