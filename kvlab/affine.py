@@ -143,6 +143,38 @@ def _byte_lanes(NB: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _codes24(b_q):
+    """3 bit: codes ``[M, N]`` (int32 < 8, N a multiple of 8) -> ``[M, N / 8]`` 24-bit words, code ``j`` of a
+    word at bit ``3 j``."""
+    M: tl.constexpr = b_q.shape[0]
+    N: tl.constexpr = b_q.shape[1]
+    # j % 8 = 4 c2 + 2 c1 + c0 -> [M, N/8, c2, c1, c0]
+    b_c0, b_c1 = tl.split(tl.reshape(b_q, [M, N // 8, 2, 2, 2]))
+    b_00, b_10 = tl.split(b_c0)  # c0 = 0: c1 = 0 (j = 0, 4), c1 = 1 (j = 2, 6)
+    b_01, b_11 = tl.split(b_c1)
+    b_0, b_4 = tl.split(b_00)
+    b_2, b_6 = tl.split(b_10)
+    b_1, b_5 = tl.split(b_01)
+    b_3, b_7 = tl.split(b_11)
+    return b_0 | (b_1 << 3) | (b_2 << 6) | (b_3 << 9) | (b_4 << 12) | (b_5 << 15) | (b_6 << 18) | (b_7 << 21)
+
+
+@triton.jit
+def _store_words3(p_c, b_q, m_s, BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr):
+    """3 bit, groups of a multiple of 32 codes at 4-byte aligned addresses ``p_c [BR, BG, 1]``: the codes
+    ``b_q [BR, BG, BLOCK_GS]`` as 32-bit words, three for each 32 codes (eight 24-bit words side by side)."""
+    NC: tl.constexpr = BLOCK_GS // 32
+    b_w = tl.reshape(_codes24(tl.reshape(b_q, [BLOCK_ROWS * BLOCK_G, BLOCK_GS])), [BLOCK_ROWS, BLOCK_G, NC, 2, 2])
+    b_even, b_odd = tl.split(b_w.to(tl.uint32))  # 24-bit words (0, 2), (1, 3) of each 32 codes
+    b_0, b_2 = tl.split(b_even)
+    b_1, b_3 = tl.split(b_odd)
+    p_w = p_c.to(tl.pointer_type(tl.uint32)) + 3 * tl.arange(0, NC)[None, None, :]
+    tl.store(p_w, b_0 | (b_1 << 24), mask=m_s)
+    tl.store(p_w + 1, (b_1 >> 8) | (b_2 << 16), mask=m_s)
+    tl.store(p_w + 2, (b_2 >> 16) | (b_3 << 8), mask=m_s)
+
+
+@triton.jit
 def _pack_rows(b_q, BITS: tl.constexpr):
     """Codes ``[M, N]`` (int32 < 2**BITS, N a multiple of 8) -> packed lanes ``[M, NB]`` uint8.
 
@@ -162,15 +194,7 @@ def _pack_rows(b_q, BITS: tl.constexpr):
         b_1, b_3 = tl.split(b_o)
         return (b_0 | (b_1 << 2) | (b_2 << 4) | (b_3 << 6)).to(tl.uint8)
     else:
-        # 8 codes -> one 24-bit word -> 3 bytes; j % 8 = 4 c2 + 2 c1 + c0 -> [M, N/8, c2, c1, c0]
-        b_c0, b_c1 = tl.split(tl.reshape(b_q, [M, N // 8, 2, 2, 2]))
-        b_00, b_10 = tl.split(b_c0)  # c0 = 0: c1 = 0 (j = 0, 4), c1 = 1 (j = 2, 6)
-        b_01, b_11 = tl.split(b_c1)
-        b_0, b_4 = tl.split(b_00)
-        b_2, b_6 = tl.split(b_10)
-        b_1, b_5 = tl.split(b_01)
-        b_3, b_7 = tl.split(b_11)
-        b_w = b_0 | (b_1 << 3) | (b_2 << 6) | (b_3 << 9) | (b_4 << 12) | (b_5 << 15) | (b_6 << 18) | (b_7 << 21)
+        b_w = _codes24(b_q)
         b_lane0 = tl.join(b_w & 0xFF, b_w >> 16)  # lanes 0, 2
         b_lane1 = tl.join((b_w >> 8) & 0xFF, tl.zeros_like(b_w))  # lanes 1, 3
         return tl.reshape(tl.join(b_lane0, b_lane1), [M, N // 2]).to(tl.uint8)  # [M, N/8, 2, 2] -> lanes
@@ -238,6 +262,7 @@ def _pack_token_rows(
     BLOCK_GS: tl.constexpr,  # GROUP_SIZE padded to a power of two
     BLOCK_G: tl.constexpr,  # NUM_GROUPS padded to a power of two
     CHECK: tl.constexpr,
+    WORDS: tl.constexpr = False,  # 3 bit: codes and strides 4-byte aligned, GROUP_SIZE = BLOCK_GS a multiple of 32
 ):
     """Encode rows ``[i_r, i_r + BLOCK_ROWS)`` of x into their token-axis codes."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -276,16 +301,20 @@ def _pack_token_rows(
     b_q = (b_x - b_z[:, :, None]) * b_inv[:, :, None] + 0.5
     b_q = tl.clamp(b_q, 0.0, LEVELS * 1.0).to(tl.int32)
 
-    # indices: [BLOCK_ROWS * BLOCK_G, BLOCK_GS] -> packed lanes [BLOCK_ROWS, BLOCK_G, NB]
-    b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_ROWS * BLOCK_G, BLOCK_GS]), BITS), [BLOCK_ROWS, BLOCK_G, NB])
-    o_b, m_b = _byte_lanes(NB, BITS)
-    m_c = m_s
-    if BITS == 3:
-        m_c = m_c & m_b[None, None, :]
-    if BLOCK_GS != GROUP_SIZE:
-        m_c = m_c & (o_b < GROUP_BYTES)[None, None, :]
-    p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + o_b[None, :]
-    tl.store(p_c, b_p, mask=m_c)
+    if BITS == 3 and WORDS:  # 32-bit stores, not bytes
+        _store_words3(codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None], b_q, m_s,
+                      BLOCK_ROWS, BLOCK_G, BLOCK_GS)
+    else:
+        # indices: [BLOCK_ROWS * BLOCK_G, BLOCK_GS] -> packed lanes [BLOCK_ROWS, BLOCK_G, NB]
+        b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_ROWS * BLOCK_G, BLOCK_GS]), BITS), [BLOCK_ROWS, BLOCK_G, NB])
+        o_b, m_b = _byte_lanes(NB, BITS)
+        m_c = m_s
+        if BITS == 3:
+            m_c = m_c & m_b[None, None, :]
+        if BLOCK_GS != GROUP_SIZE:
+            m_c = m_c & (o_b < GROUP_BYTES)[None, None, :]
+        p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + o_b[None, :]
+        tl.store(p_c, b_p, mask=m_c)
 
     # scales then zeros, little-endian fp16: [BLOCK_ROWS, BLOCK_G, 2]
     p_s = codes + o_r[:, None, None] * stride_c + INDEX_BYTES + 2 * o_g[:, None] + tl.arange(0, 2)[None, :]
@@ -372,11 +401,12 @@ def affine_pack_token_kernel(
     BLOCK_GS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     CHECK: tl.constexpr,
+    WORDS: tl.constexpr,  # 3 bit: store 32-bit words (codes 4-byte aligned, groups of a power of two >= 32 codes)
 ):
     i_r = tl.program_id(0).to(tl.int64)
     _pack_token_rows(
         x, codes, flags + i_r, i_r * BLOCK_ROWS, n_rows, stride_x, stride_c,
-        BITS, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK,
+        BITS, GROUP_SIZE, NUM_GROUPS, BLOCK_ROWS, BLOCK_GS, BLOCK_G, CHECK, WORDS,
     )  # fmt: skip
 
 
@@ -742,6 +772,8 @@ def pack_affine(
             n_rows, dim, code_bytes,
             BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
             BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, CHECK=check,
+            # a fresh code tensor: rows of code_bytes (a multiple of 4 when a group's code is)
+            WORDS=bits == 3 and group_size % 32 == 0 and block_gs == group_size and code_bytes % 4 == 0,
             num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     else:

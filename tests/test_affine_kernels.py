@@ -57,7 +57,7 @@ CHANNEL_SHAPES = [
 CASES = [("token", gs, shape) for gs, shape in TOKEN_SHAPES] + [("channel", gs, shape) for gs, shape in CHANNEL_SHAPES]
 CASE_IDS = [f"{a}-g{g}-{'x'.join(map(str, s))}" for a, g, s in CASES]
 # group_size, number of groups or dim that the kernels pad to a power of two and mask
-PADDED = [("token", 24, (45, 72)), ("token", 48, (9, 96)), ("channel", 48, (3, 96, 200)), ("channel", 32, (2, 64, 40))]
+PADDED = [("token", 24, (45, 72)), ("token", 48, (9, 96)), ("token", 96, (7, 192)), ("channel", 48, (3, 96, 200)), ("channel", 32, (2, 64, 40))]
 
 
 def rel_err(a, b):
