@@ -46,7 +46,9 @@ Tiling
 
     Load: a thread decodes groups of 8 elements (``bits`` bytes in, 16 bytes of fp16 out, one
     vector store), loading the group's bytes 4, 2 or 1 at a time as the cache's alignment allows;
-    consecutive groups of a row sit on consecutive lanes, so loads and stores are coalesced.
+    consecutive groups of a row sit on consecutive lanes, so loads and stores are coalesced. 3-bit
+    codes (dims 32 to 256) are read as 32-bit words instead, three words for four groups, as the
+    model-space load reads them.
 
     Model-space load (16-bit outputs): persistent programs, 4 an SM, each loads ``R^T`` (32 KB at dim
     128) once and loops over tiles of 64 rows, a warpgroup MMA each. Compiled, the centroids come
@@ -726,6 +728,17 @@ def _centroid_rows(cache_ptr, cent_ptr, o_src, m_s, D: tl.constexpr, BLOCK_ROWS:
 
 
 @triton.jit
+def _centroid_words3(cent_ptr, b_w0, b_w1, b_w2, BN: tl.constexpr, D: tl.constexpr):
+    """The centroids ``[BN, D]`` fp32 (natural order) of 3-bit codes read as 32-bit words (``_mse_words``):
+    three words hold four 24-bit groups of 8 indices; shifts and a gather from the table."""
+    groups = (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
+    b_g = tl.reshape(_join_all(groups, 2), [BN, D // 8])  # group g of a row: elements 8 g .. 8 g + 7
+    o_k = tl.arange(0, 8)
+    b_idx = (b_g[:, :, None] >> (3 * o_k).to(tl.uint32)[None, None, :]) & 7  # [BN, D / 8, 8]
+    return tl.reshape(tl.load(cent_ptr + b_idx), [BN, D])
+
+
+@triton.jit
 def _load_mse_kernel(
     # pointers
     cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
@@ -758,6 +771,7 @@ def _load_mse_kernel(
     FAST: tl.constexpr,  # MODEL: centroids by prmt lookups of 32-bit code words (D = 8 BLOCK_G, a multiple of 32)
     ALIGN4: tl.constexpr,  # FAST: every code starts 4-byte aligned (else 2 bytes past a word boundary)
     INTERPRETED_TILES: tl.constexpr,  # MODEL, interpreter only: cdiv(tiles, num_programs); 0 when compiled
+    WORDS3: tl.constexpr,  # not MODEL, 3 bit: codes read as 32-bit words (D / 32 a power of two; ALIGN4 as for FAST)
 ):
     i_p = tl.program_id(0)
     if MODEL:
@@ -801,9 +815,14 @@ def _load_mse_kernel(
         o_r = i_p.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] int64 rows
         m_s, o_src = _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
                                 NUM_HEADS, BLOCK_SIZE, OFFSET)
-        b_c = _centroid_rows(cache_ptr, cent_ptr, o_src, m_s, D, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, UNIT)
-        b_y = b_c * _row_scale(cache_ptr, o_src, m_s, INDEX_BYTES, NORM_ALIGNED)[:, None, None]  # rows not read: 0
-        _store_rows(out_ptr, tl.reshape(b_y, [BLOCK_ROWS, 8 * BLOCK_G]), o_r, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
+        b_s = _row_scale(cache_ptr, o_src, m_s, INDEX_BYTES, NORM_ALIGNED)  # rows not read: 0
+        if WORDS3:
+            b_w0, b_w1, b_w2 = _mse_words(cache_ptr, o_src, m_s, BLOCK_ROWS, D, BITS, ALIGN4)
+            b_y = _centroid_words3(cent_ptr, b_w0, b_w1, b_w2, BLOCK_ROWS, D) * b_s[:, None]
+        else:
+            b_c = _centroid_rows(cache_ptr, cent_ptr, o_src, m_s, D, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, UNIT)
+            b_y = tl.reshape(b_c * b_s[:, None, None], [BLOCK_ROWS, 8 * BLOCK_G])
+        _store_rows(out_ptr, b_y, o_r, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
 
 
 @triton.jit
@@ -1346,6 +1365,8 @@ def load_mse(
     elif fast and not can_fast:
         raise ValueError("fast=True needs space='model' with a 16-bit out_dtype, dim 32, 64 or 128, a symmetric "
                          "4-bit codebook, 2- or 4-byte aligned codes and a CUDA device (inline PTX)")
+    # rotated space, 3 bit: the codes as 32-bit words when every code starts on or 2 bytes past a word boundary
+    words3 = not fused and codec.bits == 3 and dim in (32, 64, 128, 256) and _word_phase(cache, offset) is not None
     rt = _rotation_t16(codec, device, order=fast) if fused else cent  # cent: a placeholder, never read
     out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" or fused else torch.float32, device=device)
     if num_rows:
@@ -1371,8 +1392,9 @@ def load_mse(
                 BF16_BY_BITS=out.dtype == torch.bfloat16 and _interpreted(),
                 MODEL=fused,
                 FAST=fast,
-                ALIGN4=fast and _word_phase(cache, offset) == 0,
+                ALIGN4=(fast or words3) and _word_phase(cache, offset) == 0,
                 INTERPRETED_TILES=triton.cdiv(tiles, grid[0]) if fused and _interpreted() else 0,
+                WORDS3=words3,
                 num_warps=num_warps,
                 **(_model_options() if fused else {}),
             )
