@@ -6,13 +6,14 @@ MSE load (rotated and model space), affine pack / unpack (token and channel grou
 per-head path at 1M-16M vectors of dim 128 for every bit width, times two baseline implementations
 (a one-program-per-vector MSE decode and a global-scale affine cache), and writes
 ``results/codec_kernels.csv`` plus ``results/codec_kernels.json`` (device, versions, date, tests).
-``--only affine`` (or ``mse``) times one codec's kernels into ``codec_kernels_affine.csv`` / ``.json``.
+``--only affine`` (or ``mse``) times one codec's kernels into ``codec_kernels_affine.csv`` / ``.json``;
+``--only mse_load`` times the MSE loads alone (slots written by the reference encoder, the same bytes).
 
 Bytes counted per call are the bytes a kernel must move: its inputs read once plus its outputs
 written once (for MSE store that is the fp16 K/V read and the slots written; the rotation GEMM's
 fp32 intermediate is not counted, so its cost shows up as a lower fraction of bandwidth).
 
-    python benchmarks/bench_codecs.py [--sizes 1,4,16] [--out results] [--no-tests | --tests-log FILE] [--only mse|affine]
+    python benchmarks/bench_codecs.py [--sizes 1,4,16] [--out results] [--no-tests | --tests-log FILE] [--only mse|affine|mse_load]
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ TUNABLES = {
                   dict(block_rows=None, num_warps=2), dict(block_rows=None, num_warps=4, piece=32),
                   dict(block_rows=None, num_warps=4, piece=16), dict(block_rows=None, num_warps=8, piece=16)],
     "mse_load": [dict(block_rows=None, num_warps=None), dict(block_rows=None, num_warps=8),
-                 dict(block_rows=64, num_warps=4),
+                 dict(block_rows=64, num_warps=4), dict(block_rows=16, num_warps=1), dict(block_rows=16, num_warps=2),
                  # model space: every program loads R^T (32 KB); more rows share it (fewer instructions per byte)
                  dict(block_rows=128, num_warps=4), dict(block_rows=256, num_warps=8)],
     # affine pack: one warp and small tiles by default (bench_launch_configs.py --only affine sweeps more)
@@ -105,8 +106,9 @@ def main():
     ap.add_argument("--sweep", nargs="?", const="all", default="",
                     help="time every launch config in TUNABLES and keep the best: for all kernels, "
                          "or for a comma-separated list (e.g. mse_store,mse_load)")
-    ap.add_argument("--only", choices=("mse", "affine"),
-                    help="one codec's kernels (writes codec_kernels_<only>.csv/.json): a run of the other's stays valid")
+    ap.add_argument("--only", choices=("mse", "affine", "mse_load"),
+                    help="one codec's kernels (writes codec_kernels_<only>.csv/.json): a run of the other's stays valid; "
+                         "mse_load: the MSE loads alone, from slots the reference encoder writes (no store compiled)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), no timing claims")
     ap.add_argument("--tests-log", help="pytest -q output of a run on this machine, recorded instead of running the tests (several files: comma-separated)")
     args = ap.parse_args()
@@ -164,23 +166,29 @@ def main():
         v16 = torch.randn(tokens, HEADS, DIM, device=DEV, dtype=torch.float16)
 
         # ---- MSE store / load in the paged layout
-        for bits, rot in [(b, r) for r in ("haar", "hadamard") for b in (2, 3, 4)] if args.only in (None, "mse") else []:
+        for bits, rot in [(b, r) for r in ("haar", "hadamard") for b in (2, 3, 4)] if args.only in (None, "mse", "mse_load") else []:
             kc = kvlab.MSECodec(DIM, bits, rotation=rot, seed=0)
             vc = kvlab.MSECodec(DIM, bits, rotation=rot, seed=1)
             layout = kvlab.MSESlot(DIM, bits, bits)
             block_size = 16
             cache = torch.zeros(tokens // block_size, block_size, HEADS, layout.slot_bytes, dtype=torch.uint8, device=DEV)
             slots = torch.randperm(tokens, device=DEV, dtype=torch.int64).to(torch.int32)
-            kvlab.store_mse(x16, v16, slots, cache, kc, vc)
-            if n_m == order[0]:
+            if args.only == "mse_load":  # the reference's bytes (the store kernel writes the same), in chunks
+                for i in range(0, tokens, 1 << 18):
+                    s_ = slice(i, i + (1 << 18))
+                    kvlab.write_slots(cache, slots[s_], kc.encode(x16[s_]), vc.encode(v16[s_]), layout)
+            else:
+                kvlab.store_mse(x16, v16, slots, cache, kc, vc)
+            if n_m == order[0] and args.only != "mse_load":
                 sample = slots[:4096]
                 kref, vref = kvlab.read_slots(cache, sample, layout)
                 checks[f"mse_store_{rot}_b{bits}_bytes_equal"] = bool(
                     torch.equal(kref, kc.encode(x16[:4096])) and torch.equal(vref, vc.encode(v16[:4096]))
                 )
-            ms, cfg = tuned(("mse_store", rot, bits), lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, **c))
-            variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
-            record("mse_store", variant, bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg)
+            if args.only != "mse_load":
+                ms, cfg = tuned(("mse_store", rot, bits), lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, **c))
+                variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
+                record("mse_store", variant, bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg)
 
             for space in ("rotated", "model"):
                 out = kvlab.load_mse(cache, slots, vc, part="value", space=space)
@@ -210,7 +218,7 @@ def main():
             record("mse_load", "baseline: one program per vector", bits, n, ms, n * layout.value_code_bytes + n * DIM * 2)
             del cache
 
-        if args.only == "mse":
+        if args.only in ("mse", "mse_load"):
             del x16, v16
             continue
 

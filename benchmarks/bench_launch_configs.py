@@ -13,7 +13,7 @@ Fractions are of the copy bandwidth measured in the same run, over the bytes eac
 ``codec_launch_configs_<only>.csv``); the libraries' default launches are the fastest of these, and
 ``bench_codecs.py`` times every kernel at its default.
 
-    python benchmarks/bench_launch_configs.py [--out results] [--only mse|affine] [--vectors 4]
+    python benchmarks/bench_launch_configs.py [--out results] [--only mse|affine|mse_load] [--vectors 4]
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def bench(fn, rep=100):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "results"))
-    ap.add_argument("--only", choices=("mse", "affine"), help="one part of the sweep")
+    ap.add_argument("--only", choices=("mse", "affine", "mse_load"),
+                    help="one part of the sweep (mse_load: the rotated-space MSE load alone, slots written by the reference encoder)")
     ap.add_argument("--vectors", type=int, default=4, help="millions (2^20) of vectors")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
@@ -77,6 +78,19 @@ def main():
             except Exception as e:  # a config the kernel rejects or cannot compile
                 print(f"{kernel} {variant} b={bits} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
+    for bits in (4, 2, 3) if args.only == "mse_load" else ():
+        vc = kvlab.MSECodec(D, bits, rotation="haar", seed=1)
+        layout = kvlab.MSESlot(D, bits, bits)
+        cache = torch.zeros(tokens // 16, 16, H, layout.slot_bytes, dtype=torch.uint8, device="cuda")
+        slots = torch.randperm(tokens, device="cuda").to(torch.int32)
+        for i in range(0, tokens, 1 << 18):
+            s_ = slice(i, i + (1 << 18))
+            kvlab.write_slots(cache, slots[s_], vc.encode(x[s_]), vc.encode(x[s_].flip(0)), layout)
+        configs = [dict(block_rows=br, num_warps=w) for br in (16, 32, 64, 128) for w in (1, 2, 4)]
+        timed("mse_load", "value, rotated space", bits, configs,
+              lambda **c: kvlab.load_mse(cache, slots, vc, part="value", check=False, **c),
+              n * layout.value_code_bytes + n * D * 2)
+        del cache
     for bits in (4, 2, 3) if args.only in (None, "mse") else ():
         for rot in ("hadamard", "haar"):
             kc, vc = kvlab.MSECodec(D, bits, rotation=rot, seed=0), kvlab.MSECodec(D, bits, rotation=rot, seed=1)

@@ -99,8 +99,8 @@ __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_
 MSE_BITS = (2, 3, 4)
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
 STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
-LOAD_TILE_ELEMENTS = 4096  # default BLOCK_ROWS * BLOCK_D of a load program (32 rows of 128)
-LOAD_NUM_WARPS = 2
+LOAD_TILE_ELEMENTS = 2048  # default BLOCK_ROWS * BLOCK_D of a load program (16 rows of 128)
+LOAD_NUM_WARPS = {2: 2, 3: 1, 4: 1}  # default warps of a load program, by bits
 # model-space load: rows per tile (a tensor-core tile of y R^T), warps, persistent programs per SM, one
 # stage (the loop prefetches its next tile by hand; Triton's pipelining stages loads through shared
 # memory) and at most 128 registers a thread (4 programs an SM); the fastest on an H200
@@ -1318,9 +1318,10 @@ def load_mse(
     of 9 to 128, else as one batched fp32 GEMM after the kernel). Rows whose slot is
     ``-1`` (or, with ``check=False``, out of range) come out as zeros. The other part's bit width is
     inferred from the cache's ``slot_bytes``. ``check=True`` (default) checks the slot range with
-    one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 4096
-    elements per tile, 32 rows of 128; in model space 64 rows) and ``num_warps`` tune the launch
-    (the defaults were the fastest on an H200, ``benchmarks/bench_codecs.py --sweep mse_load``).
+    one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 2048
+    elements per tile, 16 rows of 128; in model space 64 rows) and ``num_warps`` (default one warp,
+    two for 2-bit codes; four in model space) tune the launch (the defaults were the fastest on an
+    H200, ``benchmarks/bench_launch_configs.py --only mse_load``).
     ``fast`` (model space in the kernel only): look the centroids up with byte permutes of 32-bit
     code words (inline PTX, as the decode kernel does) instead of shifting out and gathering each
     index; ``None`` (default) does when it can: on a GPU, dims of 32, 64 or 128, a symmetric
@@ -1348,7 +1349,7 @@ def load_mse(
     if block_rows is None:
         block_rows = MODEL_TILE_ROWS if fused else _default_block_rows(codec.dim)
     if num_warps is None:
-        num_warps = MODEL_NUM_WARPS if fused else LOAD_NUM_WARPS
+        num_warps = MODEL_NUM_WARPS if fused else LOAD_NUM_WARPS[codec.bits]
     _check_tiling(block_rows, num_warps)
     if fused and block_rows < 16:
         raise ValueError(f"block_rows must be >= 16 for space='model' with a 16-bit out_dtype (a tensor-core tile), got {block_rows}")
