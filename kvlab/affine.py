@@ -143,6 +143,20 @@ def _byte_lanes(NB: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _code_lanes(p_run, m, NB: tl.constexpr, BITS: tl.constexpr, RUN_BYTES: tl.constexpr, PARTIAL: tl.constexpr):
+    """Byte addresses ``[A, B, NB]`` of the packed lanes (``_byte_lanes``) of the runs of packed bytes that
+    start at ``p_run [A, B]``, and their mask: ``m`` (``[A, B, 1]``), the lanes that hold a byte and, when
+    ``PARTIAL`` (the lanes outnumber a run's bytes), the lanes inside the run's ``RUN_BYTES`` bytes."""
+    o_b, m_b = _byte_lanes(NB, BITS)
+    m_c = m
+    if BITS == 3:
+        m_c = m_c & m_b[None, None, :]
+    if PARTIAL:
+        m_c = m_c & (o_b < RUN_BYTES)[None, None, :]
+    return p_run[:, :, None] + o_b[None, None, :], m_c
+
+
+@triton.jit
 def _codes24(b_q):
     """3 bit: codes ``[M, N]`` (int32 < 8, N a multiple of 8) -> ``[M, N / 8]`` 24-bit words, code ``j`` of a
     word at bit ``3 j``."""
@@ -307,13 +321,8 @@ def _pack_token_rows(
     else:
         # indices: [BLOCK_ROWS * BLOCK_G, BLOCK_GS] -> packed lanes [BLOCK_ROWS, BLOCK_G, NB]
         b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_ROWS * BLOCK_G, BLOCK_GS]), BITS), [BLOCK_ROWS, BLOCK_G, NB])
-        o_b, m_b = _byte_lanes(NB, BITS)
-        m_c = m_s
-        if BITS == 3:
-            m_c = m_c & m_b[None, None, :]
-        if BLOCK_GS != GROUP_SIZE:
-            m_c = m_c & (o_b < GROUP_BYTES)[None, None, :]
-        p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + o_b[None, :]
+        p_c, m_c = _code_lanes(codes + o_r[:, None] * stride_c + (o_g * GROUP_BYTES)[None, :], m_s, NB, BITS,
+                               GROUP_BYTES, BLOCK_GS != GROUP_SIZE)
         tl.store(p_c, b_p, mask=m_c)
 
     # scales then zeros, little-endian fp16: [BLOCK_ROWS, BLOCK_G, 2]
@@ -363,13 +372,8 @@ def _unpack_token_rows(
     if BLOCK_GS != GROUP_SIZE:
         m_x = m_x & (o_k < GROUP_SIZE)[None, None, :]
 
-    o_b, m_b = _byte_lanes(NB, BITS)
-    m_c = m_s
-    if BITS == 3:
-        m_c = m_c & m_b[None, None, :]
-    if BLOCK_GS != GROUP_SIZE:
-        m_c = m_c & (o_b < GROUP_BYTES)[None, None, :]
-    p_c = codes + o_r[:, None, None] * stride_c + (o_g * GROUP_BYTES)[:, None] + o_b[None, :]
+    p_c, m_c = _code_lanes(codes + o_r[:, None] * stride_c + (o_g * GROUP_BYTES)[None, :], m_s, NB, BITS,
+                           GROUP_BYTES, BLOCK_GS != GROUP_SIZE)
     b_p = tl.load(p_c, mask=m_c, other=0)  # [BLOCK_ROWS, BLOCK_G, NB]
     b_q = _unpack_rows(tl.reshape(b_p, [BLOCK_ROWS * BLOCK_G, NB]), BLOCK_GS, BITS)
     b_q = tl.reshape(b_q, [BLOCK_ROWS, BLOCK_G, BLOCK_GS]).to(tl.float32)
@@ -582,15 +586,11 @@ def affine_pack_channel_kernel(
 
     # each token row packs along the channels: [BLOCK_CODES, BLOCK_GS, NB]
     b_p = tl.reshape(_pack_rows(tl.reshape(b_q, [BLOCK_CODES * BLOCK_GS, BLOCK_D]), BITS), [BLOCK_CODES, BLOCK_GS, NB])
-    o_b, m_b = _byte_lanes(NB, BITS)
     m_c = m_n[:, None, None]
     if BLOCK_GS != GROUP_SIZE:
         m_c = m_c & (o_t < GROUP_SIZE)[None, :, None]
-    if BITS == 3:
-        m_c = m_c & m_b[None, None, :]
-    if BLOCK_D != DIM:
-        m_c = m_c & (o_b < ROW_BYTES)[None, None, :]
-    p_c = codes + (o_n * CODE_BYTES)[:, None, None] + (o_t * ROW_BYTES)[:, None] + o_b[None, :]
+    p_c, m_c = _code_lanes(codes + (o_n * CODE_BYTES)[:, None] + (o_t * ROW_BYTES)[None, :], m_c, NB, BITS,
+                           ROW_BYTES, BLOCK_D != DIM)
     tl.store(p_c, b_p, mask=m_c)
 
     # DIM scales then DIM zeros, little-endian fp16: [BLOCK_CODES, BLOCK_D, 2]
@@ -640,12 +640,8 @@ def affine_unpack_channel_kernel(
         m_x = m_x & (o_d < DIM)[None, None, :]
         m_s = m_s & (o_d < DIM)[None, :, None]
 
-    o_b, m_b = _byte_lanes(NB, BITS)
-    if BITS == 3:
-        m_c = m_c & m_b[None, None, :]
-    if BLOCK_D != DIM:
-        m_c = m_c & (o_b < ROW_BYTES)[None, None, :]
-    p_c = codes + (o_n * CODE_BYTES)[:, None, None] + (o_t * ROW_BYTES)[:, None] + o_b[None, :]
+    p_c, m_c = _code_lanes(codes + (o_n * CODE_BYTES)[:, None] + (o_t * ROW_BYTES)[None, :], m_c, NB, BITS,
+                           ROW_BYTES, BLOCK_D != DIM)
     b_p = tl.load(p_c, mask=m_c, other=0)  # [BLOCK_CODES, BLOCK_GS, NB]
     b_q = _unpack_rows(tl.reshape(b_p, [BLOCK_CODES * BLOCK_GS, NB]), BLOCK_D, BITS)
     b_q = tl.reshape(b_q, [BLOCK_CODES, BLOCK_GS, BLOCK_D]).to(tl.float32)

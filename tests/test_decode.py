@@ -319,21 +319,25 @@ def test_mma_lookups_give_operand_pairs():
     from kvlab import decode_mma
     from kvlab.mse import _prmt_tables
 
-    kc = mse_codecs(128, 4, 4, "haar")[0]
-    tables = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc)]
-    c16 = kc.centroids.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
     g = np.random.default_rng(0)
     words = g.integers(0, 2**32, size=(4, 64), dtype=np.uint64).astype(np.uint32)
-    idx = [(words[i][None, :] >> (4 * np.arange(8)[:, None]).astype(np.uint32)) & 15 for i in range(4)]  # [8, 64]
     pair = lambda lo, hi: c16[lo] | (c16[hi] << 16)  # noqa: E731
-    outs = ptx.run(decode_mma.LOOKUP4_TWO_KEYS.value, "=r," * 8 + "r," * 5 + "r", [words[0], words[1], *tables])
-    for r in range(4):
-        assert np.array_equal(outs[2 * r], pair(idx[0][2 * r], idx[0][2 * r + 1]))
-        assert np.array_equal(outs[2 * r + 1], pair(idx[1][2 * r], idx[1][2 * r + 1]))
-    outs = ptx.run(decode_mma.LOOKUP4_FOUR_VALUES.value, "=r," * 16 + "r," * 7 + "r", [*words, *tables])
-    for coord in range(8):
-        for p in range(2):
-            assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2], pair(idx[2 * p][coord], idx[2 * p + 1][coord]))
+    # 4 and 3 bit (a 3-bit group is the low 24 bits of a word, the bits above are ignored): the same order
+    for bits, two_keys, four_values in ((4, decode_mma.LOOKUP4_TWO_KEYS, decode_mma.LOOKUP4_FOUR_VALUES),
+                                        (3, decode_mma.LOOKUP3_TWO_KEYS, decode_mma.LOOKUP3_FOUR_VALUES)):
+        kc = mse_codecs(128, bits, bits, "haar")[0]
+        tables = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc)]
+        c16 = kc.centroids.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+        mask = (1 << bits) - 1
+        idx = [(words[i][None, :] >> (bits * np.arange(8)[:, None]).astype(np.uint32)) & mask for i in range(4)]  # [8, 64]
+        outs = ptx.run(two_keys.value, "=r," * 8 + "r," * 5 + "r", [words[0], words[1], *tables])
+        for r in range(4):
+            assert np.array_equal(outs[2 * r], pair(idx[0][2 * r], idx[0][2 * r + 1]))
+            assert np.array_equal(outs[2 * r + 1], pair(idx[1][2 * r], idx[1][2 * r + 1]))
+        outs = ptx.run(four_values.value, "=r," * 16 + "r," * 7 + "r", [*words, *tables])
+        for coord in range(8):
+            for p in range(2):
+                assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2], pair(idx[2 * p][coord], idx[2 * p + 1][coord]))
     # 2 bit: a word holds 16 indices; lookup pair p of a word holds its coordinates p % 4 + 8 (p // 4) and 4 more
     kc2 = mse_codecs(128, 2, 2, "haar")[0]
     tables2 = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc2)[:2]]
@@ -350,20 +354,6 @@ def test_mma_lookups_give_operand_pairs():
             for p in range(2):
                 assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2],
                                       pair(idx[2 * p][8 * half + coord], idx[2 * p + 1][8 * half + coord]))
-    # 3 bit: a group is the low 24 bits of a word (the bits above are ignored); the outputs are in the
-    # order of the 4-bit lookups
-    kc3 = mse_codecs(128, 3, 3, "haar")[0]
-    tables3 = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc3)]
-    c16 = kc3.centroids.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
-    idx = [(words[i][None, :] >> (3 * np.arange(8)[:, None]).astype(np.uint32)) & 7 for i in range(4)]  # [8, 64]
-    outs = ptx.run(decode_mma.LOOKUP3_TWO_KEYS.value, "=r," * 8 + "r," * 5 + "r", [words[0], words[1], *tables3])
-    for r in range(4):
-        assert np.array_equal(outs[2 * r], pair(idx[0][2 * r], idx[0][2 * r + 1]))
-        assert np.array_equal(outs[2 * r + 1], pair(idx[1][2 * r], idx[1][2 * r + 1]))
-    outs = ptx.run(decode_mma.LOOKUP3_FOUR_VALUES.value, "=r," * 16 + "r," * 7 + "r", [*words, *tables3])
-    for coord in range(8):
-        for p in range(2):
-            assert np.array_equal(outs[4 * (coord // 2) + 2 * p + coord % 2], pair(idx[2 * p][coord], idx[2 * p + 1][coord]))
 
 
 def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
