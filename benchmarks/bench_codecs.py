@@ -3,7 +3,8 @@
 One run: runs the test suite compiled on this GPU, measures the device copy bandwidth, checks the
 kernels against the reference at a benchmark-sized sample, times (median of ``do_bench``) MSE store,
 MSE load (rotated and model space), affine pack / unpack (token and channel groups) and the mixed
-per-head path at 1M-16M vectors of dim 128 for every bit width, times two baseline implementations
+per-head path at 1M-16M vectors of dim 128 for every bit width (and, at each size, a device copy of
+the fp16 vectors: the roofline at that size, against the 4 GiB copy that every fraction divides by), times two baseline implementations
 (a one-program-per-vector MSE decode and a global-scale affine cache), and writes
 ``results/codec_kernels.csv`` plus ``results/codec_kernels.json`` (device, versions, date, tests).
 ``--only affine`` (or ``mse``) times one codec's kernels into ``codec_kernels_affine.csv`` / ``.json``;
@@ -164,6 +165,10 @@ def main():
         tokens = n // HEADS
         x16 = torch.randn(tokens, HEADS, DIM, device=DEV, dtype=torch.float16)
         v16 = torch.randn(tokens, HEADS, DIM, device=DEV, dtype=torch.float16)
+        # the roofline at this size: a device copy of n fp16 vectors (the bytes most kernels here move)
+        y16 = torch.empty_like(x16)
+        record("copy", "device copy of the fp16 vectors", "", n, bench(lambda: y16.copy_(x16)), 2 * n * DIM * 2)
+        del y16
 
         # ---- MSE store / load in the paged layout
         for bits, rot in [(b, r) for r in ("haar", "hadamard") for b in (2, 3, 4)] if args.only in (None, "mse", "mse_load") else []:
