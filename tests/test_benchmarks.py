@@ -26,3 +26,21 @@ def test_bench_codecs_smoke_affine(tmp_path):
     assert not any(r["kernel"].startswith("mse") for r in rows), "--only affine timed MSE kernels"
     assert meta["checks"] and all(meta["checks"].values()), meta["checks"]
     assert not (tmp_path / "codec_kernels_affine.partial.csv").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU run; on a GPU the benchmark itself runs")
+def test_bench_codecs_smoke_mse_load(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "benchmarks/bench_codecs.py", "--smoke", "--sizes", "1", "--only", "mse_load",
+                    "--out", str(tmp_path)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    rows = list(csv.DictReader(open(tmp_path / "codec_kernels_mse_load.csv")))
+    meta = json.loads((tmp_path / "codec_kernels_mse_load.json").read_text())
+    kernels = {(r["kernel"], r["variant"], r["bits"]) for r in rows}
+    for b in ("2", "3", "4"):
+        assert {("mse_load", "value, rotated space", b), ("mse_load", "value, model space", b),
+                ("mse_load", "value, model space, hadamard", b), ("mse_load", "baseline: one program per vector", b)} <= kernels
+    assert [r["kernel"] for r in rows].count("copy") == 1, "one device copy a size"
+    assert not any(r["kernel"] in ("mse_store",) or r["kernel"].startswith("affine") for r in rows), "--only mse_load timed other kernels"
+    # the loads decode the reference encoder's slots as the reference does
+    errs = {k: v for k, v in meta["checks"].items() if not k.startswith("baseline")}
+    assert len(errs) == 12 and all(v < 1e-3 for v in errs.values()), errs
