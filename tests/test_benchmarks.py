@@ -13,13 +13,21 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU run; on a GPU the benchmark itself runs")
-def test_bench_codecs_smoke_affine(tmp_path):
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU run; on a GPU the benchmark itself runs")
+
+
+def smoke(tmp_path, only):
+    """Run ``bench_codecs.py --smoke --only only`` into ``tmp_path``: its CSV rows and its JSON."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "benchmarks/bench_codecs.py", "--smoke", "--sizes", "1", "--only", "affine",
+    subprocess.run([sys.executable, "benchmarks/bench_codecs.py", "--smoke", "--sizes", "1", "--only", only,
                     "--out", str(tmp_path)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
-    rows = list(csv.DictReader(open(tmp_path / "codec_kernels_affine.csv")))
-    meta = json.loads((tmp_path / "codec_kernels_affine.json").read_text())
+    rows = list(csv.DictReader(open(tmp_path / f"codec_kernels_{only}.csv")))
+    return rows, json.loads((tmp_path / f"codec_kernels_{only}.json").read_text())
+
+
+@CPU_ONLY
+def test_bench_codecs_smoke_affine(tmp_path):
+    rows, meta = smoke(tmp_path, "affine")
     kernels = {(r["kernel"], r["variant"].split()[0], r["bits"]) for r in rows}
     assert {("affine_pack", axis, b) for axis in ("token", "channel") for b in ("2", "3", "4", "8")} <= kernels
     assert {("affine_mixed_pack", "heads", "mixed"), ("affine_mixed_unpack", "heads", "mixed")} <= kernels
@@ -28,13 +36,9 @@ def test_bench_codecs_smoke_affine(tmp_path):
     assert not (tmp_path / "codec_kernels_affine.partial.csv").exists()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU run; on a GPU the benchmark itself runs")
+@CPU_ONLY
 def test_bench_codecs_smoke_mse_load(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "benchmarks/bench_codecs.py", "--smoke", "--sizes", "1", "--only", "mse_load",
-                    "--out", str(tmp_path)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
-    rows = list(csv.DictReader(open(tmp_path / "codec_kernels_mse_load.csv")))
-    meta = json.loads((tmp_path / "codec_kernels_mse_load.json").read_text())
+    rows, meta = smoke(tmp_path, "mse_load")
     kernels = {(r["kernel"], r["variant"], r["bits"]) for r in rows}
     for b in ("2", "3", "4"):
         assert {("mse_load", "value, rotated space", b), ("mse_load", "value, model space", b),
