@@ -47,8 +47,8 @@ Tiling
     Load: a thread decodes groups of 8 elements (``bits`` bytes in, 16 bytes of fp16 out, one
     vector store), loading the group's bytes 4, 2 or 1 at a time as the cache's alignment allows;
     consecutive groups of a row sit on consecutive lanes, so loads and stores are coalesced. 3-bit
-    codes (dims 32 to 256) are read as 32-bit words instead, three words for four groups, as the
-    model-space load reads them.
+    codes of dims 32, 64, 128 and 256 that all start on or 2 bytes past a 4-byte boundary are read
+    as 32-bit words instead, three words for four groups, as the model-space load reads them.
 
     Model-space load (16-bit outputs): persistent programs, 4 an SM, each loads ``R^T`` (32 KB at dim
     128) once and loops over tiles of 64 rows, a warpgroup MMA each. Compiled, the centroids come
