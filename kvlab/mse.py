@@ -646,6 +646,13 @@ def _mse_words(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: 
 
 
 @triton.jit
+def _groups3(b_w0, b_w1, b_w2):
+    """3 bit: three code words -> their four 24-bit groups of 8 indices (in the low 24 bits; the bits above
+    are not masked)."""
+    return (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
+
+
+@triton.jit
 def _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """Centroid tile ``[BN, D]`` fp16 (tile order), by ``prmt``, from the words of ``_mse_words``."""
     if BITS == 4:
@@ -659,8 +666,7 @@ def _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.con
             dtype=(tl.int32,) * 8, is_pure=True, pack=1)
         return _pairs_to_tile((o0, o1, o2, o3, o4, o5, o6, o7), BN, D, 3)
     else:
-        # 3 bit: three words hold four 24-bit groups of 8 indices
-        groups = (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
+        groups = _groups3(b_w0, b_w1, b_w2)
         words = ()
         for g in tl.static_range(4):
             o0, o1, o2, o3 = tl.inline_asm_elementwise(
@@ -731,8 +737,7 @@ def _centroid_rows(cache_ptr, cent_ptr, o_src, m_s, D: tl.constexpr, BLOCK_ROWS:
 def _centroid_words3(cent_ptr, b_w0, b_w1, b_w2, BN: tl.constexpr, D: tl.constexpr):
     """The centroids ``[BN, D]`` fp32 (natural order) of 3-bit codes read as 32-bit words (``_mse_words``):
     three words hold four 24-bit groups of 8 indices; shifts and a gather from the table."""
-    groups = (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
-    b_g = tl.reshape(_join_all(groups, 2), [BN, D // 8])  # group g of a row: elements 8 g .. 8 g + 7
+    b_g = tl.reshape(_join_all(_groups3(b_w0, b_w1, b_w2), 2), [BN, D // 8])  # group g of a row: elements 8 g .. 8 g + 7
     o_k = tl.arange(0, 8)
     b_idx = (b_g[:, :, None] >> (3 * o_k).to(tl.uint32)[None, None, :]) & 7  # [BN, D / 8, 8]
     return tl.reshape(tl.load(cent_ptr + b_idx), [BN, D])
@@ -1367,7 +1372,8 @@ def load_mse(
         raise ValueError("fast=True needs space='model' with a 16-bit out_dtype, dim 32, 64 or 128, a symmetric "
                          "4-bit codebook, 2- or 4-byte aligned codes and a CUDA device (inline PTX)")
     # rotated space, 3 bit: the codes as 32-bit words when every code starts on or 2 bytes past a word boundary
-    words3 = not fused and codec.bits == 3 and dim in (32, 64, 128, 256) and _word_phase(cache, offset) is not None
+    phase = _word_phase(cache, offset)
+    words3 = not fused and codec.bits == 3 and dim in (32, 64, 128, 256) and phase is not None
     rt = _rotation_t16(codec, device, order=fast) if fused else cent  # cent: a placeholder, never read
     out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" or fused else torch.float32, device=device)
     if num_rows:
@@ -1393,7 +1399,7 @@ def load_mse(
                 BF16_BY_BITS=out.dtype == torch.bfloat16 and _interpreted(),
                 MODEL=fused,
                 FAST=fast,
-                ALIGN4=(fast or words3) and _word_phase(cache, offset) == 0,
+                ALIGN4=(fast or words3) and phase == 0,
                 INTERPRETED_TILES=triton.cdiv(tiles, grid[0]) if fused and _interpreted() else 0,
                 WORDS3=words3,
                 num_warps=num_warps,
