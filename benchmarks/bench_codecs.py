@@ -4,8 +4,9 @@ One run: runs the test suite compiled on this GPU, measures the device copy band
 kernels against the reference at a benchmark-sized sample, times (median of ``do_bench``) MSE store,
 MSE load (rotated and model space), affine pack / unpack (token and channel groups) and the mixed
 per-head path at 1M-16M vectors of dim 128 for every bit width (and, at each size, a device copy of
-the fp16 vectors: the roofline at that size, against the 4 GiB copy that every fraction divides by), times two baseline implementations
-(a one-program-per-vector MSE decode and a global-scale affine cache), and writes
+the fp16 vectors: the roofline at that size, against the 4 GiB copy that every fraction divides by),
+times two baseline implementations (a one-program-per-vector MSE decode and a global-scale affine
+cache), and writes
 ``results/codec_kernels.csv`` plus ``results/codec_kernels.json`` (device, versions, date, tests).
 ``--only affine`` (or ``mse``) times one codec's kernels into ``codec_kernels_affine.csv`` / ``.json``;
 ``--only mse_load`` times the MSE loads alone (slots written by the reference encoder, the same bytes).
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
-from benchmarks.common import run_tests, write_csv  # noqa: E402
+from benchmarks.common import run_tests, write_csv, write_reference_slots  # noqa: E402
 from benchmarks.baselines import global_scale_affine, one_program_per_vector  # noqa: E402
 
 DIM = 128
@@ -178,10 +179,8 @@ def main():
             block_size = 16
             cache = torch.zeros(tokens // block_size, block_size, HEADS, layout.slot_bytes, dtype=torch.uint8, device=DEV)
             slots = torch.randperm(tokens, device=DEV, dtype=torch.int64).to(torch.int32)
-            if args.only == "mse_load":  # the reference's bytes (the store kernel writes the same), in chunks
-                for i in range(0, tokens, 1 << 18):
-                    s_ = slice(i, i + (1 << 18))
-                    kvlab.write_slots(cache, slots[s_], kc.encode(x16[s_]), vc.encode(v16[s_]), layout)
+            if args.only == "mse_load":  # the reference's bytes (the store kernel writes the same)
+                write_reference_slots(cache, slots, kc, vc, x16, v16, layout)
             else:
                 kvlab.store_mse(x16, v16, slots, cache, kc, vc)
             if n_m == order[0] and args.only != "mse_load":

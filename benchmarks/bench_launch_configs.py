@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
-from benchmarks.common import write_csv  # noqa: E402
+from benchmarks.common import write_csv, write_reference_slots  # noqa: E402
 
 D, H = 128, 8
 
@@ -83,9 +83,7 @@ def main():
         layout = kvlab.MSESlot(D, bits, bits)
         cache = torch.zeros(tokens // 16, 16, H, layout.slot_bytes, dtype=torch.uint8, device="cuda")
         slots = torch.randperm(tokens, device="cuda").to(torch.int32)
-        for i in range(0, tokens, 1 << 18):
-            s_ = slice(i, i + (1 << 18))
-            kvlab.write_slots(cache, slots[s_], vc.encode(x[s_]), vc.encode(x[s_].flip(0)), layout)
+        write_reference_slots(cache, slots, vc, vc, x, x.flip(0), layout)
         configs = [dict(block_rows=br, num_warps=w) for br in (16, 32, 64, 128) for w in (1, 2, 4)]
         timed("mse_load", "value, rotated space", bits, configs,
               lambda **c: kvlab.load_mse(cache, slots, vc, part="value", check=False, **c),

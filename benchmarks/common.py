@@ -1,4 +1,5 @@
-"""What the GPU benchmarks share: running the test suite on the device they measure, writing result CSVs."""
+"""What the GPU benchmarks share: running the test suite on the device they measure, writing result CSVs, filling
+a cache with the reference encoder's codes."""
 
 from __future__ import annotations
 
@@ -43,3 +44,13 @@ def write_csv(path: Path, rows: list[dict], keys: list[str], run: dict) -> None:
         w.writeheader()
         for r in rows:
             w.writerow({**{k: r.get(k, "") for k in keys}, **run})
+
+
+def write_reference_slots(cache, slots, key_codec, value_codec, keys, values, layout, chunk: int = 1 << 18) -> None:
+    """Write the reference encoder's codes of ``keys`` and ``values`` into ``slots`` of ``cache`` (the bytes
+    ``store_mse`` writes), ``chunk`` tokens at a time to bound the encoder's fp32 intermediates."""
+    import kvlab
+
+    for i in range(0, slots.shape[0], chunk):
+        s = slice(i, i + chunk)
+        kvlab.write_slots(cache, slots[s], key_codec.encode(keys[s]), value_codec.encode(values[s]), layout)
