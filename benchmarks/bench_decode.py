@@ -16,8 +16,8 @@ runs what a caller who sets no launch argument gets (for MSE keys and values of 
 ``kvlab.decode_mma``, else the split loop at its ``launch_defaults``; the CSV's ``config`` says which),
 or with ``--sweep`` the fastest configuration of the sweep.
 
-Timings are medians of ``triton.testing.do_bench`` of the whole entry point (query rotation GEMM,
-split-loop kernel, merge kernel, output rotation GEMM), called from Python as a user would: where the GPU
+Timings are medians of ``triton.testing.do_bench`` of the whole entry point (for MSE caches
+four kernels: query rotation, loop, merge, output rotation), called from Python as a user would: where the GPU
 work is shorter than the host's launch work, that is what is timed. Each grid point is also timed
 replayed from a CUDA graph (``do_bench_cudagraph``, as serving engines run decode), which removes the
 host's share, and the host time per call is recorded (calls enqueued back to back).
@@ -27,7 +27,10 @@ per token and KV head) for the quantized cache, the fp16 K and V for SDPA. The q
 random codes (valid fp16 norms, scales and zeros) in shuffled physical blocks of 16 tokens; grid
 points that do not fit in memory are recorded as skipped.
 
-    python benchmarks/bench_decode.py [--out results] [--no-tests | --tests-log FILE] [--quick] [--sweep]
+``--splits`` instead times the MSE calls over split counts (``decode_mma_splits.json``: the data behind
+``kvlab.decode_mma.default_splits``).
+
+    python benchmarks/bench_decode.py [--out results] [--no-tests | --tests-log FILE] [--quick] [--sweep] [--splits]
 """
 
 from __future__ import annotations
@@ -278,6 +281,31 @@ def write_results(out: Path, rows, meta, name="decode_attention"):
     (out / f"{name}.json").write_text(json.dumps(meta, indent=1))
 
 
+def split_sweep(out: Path, meta: dict) -> None:
+    """decode_mma_splits.json: at every grid point, MSE K4V4 and K2V2, the whole call replayed from a CUDA graph
+    at the default split count (``kvlab.decode_mma.default_splits``) and at each power of two from 2 to
+    1024 (at least 16 keys a split)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res = dict(meta, sm_count=sms, points=[])
+    for kb, vb in ((4, 4), (2, 2)):
+        kc, vc, layout = codecs("mse", kb, vb)
+        for b in BATCHES:
+            for L in CONTEXTS:
+                cache, block_table, seq_lens = random_cache("mse", layout, b, L)
+                q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
+                default = kvlab.decode_mma.default_splits(b * HKV, L, sms)
+                cands = sorted({default} | {1 << i for i in range(1, 11) if (1 << i) <= L // 16})
+                ms = {n: bench_graph(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, num_splits=n))
+                      for n in cands}
+                best = min(ms, key=ms.get)
+                res["points"].append(dict(key_bits=kb, value_bits=vb, batch=b, context=L, default_splits=default,
+                                          time_graph_ms=ms))
+                print(f"splits k{kb}v{vb} B={b} L={L}: default {default} {ms[default] * 1e3:.1f} us, "
+                      f"best {best} {ms[best] * 1e3:.1f} us", flush=True)
+                (out / "decode_mma_splits.json").write_text(json.dumps(res, indent=1))
+                del cache, block_table
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "results"))
@@ -289,6 +317,8 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="time SWEEP's launch configurations at the headline shape first (decode_attention_sweep.csv), "
                          "and time the grid at each codec's fastest; without it the grid runs the library's launch_defaults")
+    ap.add_argument("--splits", action="store_true",
+                    help="only time the MSE calls over split counts at every grid point (decode_mma_splits.json)")
     args = ap.parse_args()
     codec_list = CODECS
     if args.codecs:
@@ -304,6 +334,8 @@ def main():
     if not args.no_tests:
         meta["tests"] = run_tests(["tests/test_decode.py", "tests/test_centered.py"], args.tests_log)
         print("tests:", meta["tests"]["summary"], flush=True)
+    if args.splits:
+        return split_sweep(Path(args.out), meta)
     meta["copy_gbps"] = copy_bandwidth()
     print(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s", flush=True)
     if not args.no_checks:

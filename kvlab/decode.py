@@ -565,20 +565,57 @@ def _merge_splits_kernel(
     out_ptr,  # fp32 [rows, D]: rotated output, natural coordinate order
     num_splits,
     D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # tile positions per program
+    BLOCK_S: tl.constexpr,  # splits per step
+    STEPS: tl.constexpr,  # cdiv(num_splits, BLOCK_S) (a trip count the interpreter can read)
 ):
-    """Log-sum-exp merge of the splits of one query row: ``sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s``."""
+    """Log-sum-exp merge of the splits of one query row, ``BLOCK_D`` of its tile positions:
+    ``sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s``, the splits read ``BLOCK_S`` at a time (any number
+    of splits in the same registers)."""
     i_r = tl.program_id(0).to(tl.int64)
+    o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     o_s = tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, D)
-    m_s = o_s < num_splits
-    b_m = tl.load(ml_part_ptr + (i_r * num_splits + o_s) * 2, mask=m_s, other=float("-inf"))
-    b_l = tl.load(ml_part_ptr + (i_r * num_splits + o_s) * 2 + 1, mask=m_s, other=0.0)
-    b_w = tl.math.exp2(b_m - tl.max(b_m, axis=0))  # [BS]; 0 for padding and for splits without keys
-    b_o = tl.load(o_part_ptr + ((i_r * num_splits + o_s) * D)[:, None] + o_d[None, :], mask=m_s[:, None], other=0.0)
-    b_out = tl.sum(b_o * b_w[:, None], axis=0) / tl.sum(b_l * b_w, axis=0)  # [D]
-    o_c = tl.load(coord_ptr + o_d)
-    tl.store(out_ptr + i_r * D + o_c, b_out)
+    p_ml = ml_part_ptr + i_r * num_splits * 2
+    b_mx = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for it in range(0, STEPS):
+        s0 = it * BLOCK_S
+        b_mx = tl.maximum(b_mx, tl.load(p_ml + (s0 + o_s) * 2, mask=s0 + o_s < num_splits, other=float("-inf")))
+    b_big = tl.max(b_mx, axis=0)
+    b_l = tl.zeros([BLOCK_S], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for it in range(0, STEPS):
+        s0 = it * BLOCK_S
+        m_s = s0 + o_s < num_splits
+        b_w = tl.math.exp2(tl.load(p_ml + (s0 + o_s) * 2, mask=m_s, other=float("-inf")) - b_big)  # 0: padding, no keys
+        b_l += b_w * tl.load(p_ml + (s0 + o_s) * 2 + 1, mask=m_s, other=0.0)
+        b_o = tl.load(o_part_ptr + ((i_r * num_splits + s0 + o_s) * D)[:, None] + o_d[None, :], mask=m_s[:, None], other=0.0)
+        b_acc += tl.sum(b_o * b_w[:, None], axis=0)
+    tl.store(out_ptr + i_r * D + tl.load(coord_ptr + o_d), b_acc / tl.sum(b_l, axis=0))
+
+
+@triton.jit
+def _rotate_rows_kernel(
+    x_ptr,  # [rows, D], any float dtype
+    s_ptr,  # fp32 [S_ROWS, D] (HAS_SCALE): row r is multiplied by row r % S_ROWS first
+    w_ptr,  # fp32 [D, D]
+    out_ptr,  # [rows, D]
+    rows,
+    S_ROWS: tl.constexpr,
+    D: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """``out = (x * s) @ w`` on ``BLOCK_R`` rows and ``BLOCK_C`` columns, in fp32 (no tf32), stored in ``out``'s dtype."""
+    o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_k = tl.arange(0, D)
+    o_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_r = o_r < rows
+    b_x = tl.load(x_ptr + o_r[:, None] * D + o_k[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        b_x *= tl.load(s_ptr + (o_r % S_ROWS)[:, None] * D + o_k[None, :], mask=m_r[:, None], other=0.0)
+    b_o = tl.dot(b_x, tl.load(w_ptr + o_k[:, None] * D + o_c[None, :]), input_precision="ieee")
+    tl.store(out_ptr + o_r[:, None] * D + o_c[None, :], b_o.to(out_ptr.dtype.element_ty), mask=m_r[:, None])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -719,10 +756,28 @@ def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
     return _to_model_space(output, value_codec)
 
 
-def _to_model_space(output: torch.Tensor, value_codec) -> torch.Tensor:
-    rot = _device_table(value_codec, "rotation", output.device, lambda r: r.to(torch.float32).contiguous())
-    shape = output.shape
-    return torch.mm(output.reshape(-1, shape[-1]).float(), rot.T).reshape(shape)
+def _rotate_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x * scale) @ w`` over the last dimension of ``x`` in fp32, returned as ``dtype``: one launch of
+    ``_rotate_rows_kernel`` (``w`` fp32 ``[dim, dim]``; ``scale`` fp32 ``[n, dim]``, row ``r`` of ``x``'s rows
+    taking row ``r % n``). Decode rotates a few rows a call: one small kernel instead of a cast, a GEMM and a cast."""
+    dim = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    rows = x.numel() // dim
+    if rows:
+        block_c = min(32, dim)
+        with _on_device(x.device):
+            _rotate_rows_kernel[(_cdiv(rows, 16), dim // block_c)](
+                x, w if scale is None else scale, w, out, rows, S_ROWS=1 if scale is None else scale.shape[0], D=dim,
+                HAS_SCALE=scale is not None, BLOCK_R=16, BLOCK_C=block_c, num_warps=4,
+            )  # fmt: skip
+    return out
+
+
+def _to_model_space(output: torch.Tensor, value_codec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    rot_t = _cached(value_codec, ("rotation_t", output.device), value_codec.rotation,
+                    lambda r: r.to(device=output.device, dtype=torch.float32).T.contiguous())
+    return _rotate_rows(output, rot_t, dtype)
 
 
 # Host-side integer helpers: decode runs once per generated token, so the launcher's own cost counts
@@ -794,18 +849,17 @@ def launch_defaults(kind: str, bits: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
+    """The default split count of the loop of ``kvlab.decode_mma`` (``decode_mma.default_splits``)."""
+    return decode_mma.default_splits(batch * num_kv_heads, capacity, _sm_count(device))
+
+
+@functools.lru_cache(maxsize=None)
 def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device,
                     programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """About ``programs_per_sm`` programs an SM, each split at least ``MIN_SPLIT_TOKENS`` (and ``block_n``) keys."""
     want = _cdiv(programs_per_sm * _sm_count(device), max(1, batch * num_kv_heads))
     return max(1, min(want, _cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
-
-
-def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
-    """The default split count of the loop of ``kvlab.decode_mma``: about ``decode_mma.PROGRAMS_PER_SM``
-    programs an SM, at most ``decode_mma.MAX_SPLITS`` splits of a sequence."""
-    return min(decode_mma.MAX_SPLITS,
-               _default_splits(batch, num_kv_heads, capacity, decode_mma.STEP, device, decode_mma.PROGRAMS_PER_SM))
 
 
 def _on_device(device: torch.device):
@@ -824,8 +878,11 @@ def _partials(batch: int, num_q_heads: int, num_splits: int, dim: int, device):
 def _merge(o_part, ml_part, order, out) -> None:
     """Launch ``_merge_splits_kernel``: ``out`` (natural coordinate order) from the splits of ``o_part``."""
     batch, num_q_heads, num_splits, dim = o_part.shape
-    _merge_splits_kernel[(batch * num_q_heads,)](
-        o_part, ml_part, order, out, num_splits, D=dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), num_warps=4,
+    # on a GPU, 32 tile positions a program (more programs in flight); the interpreter, whole rows (fewer programs)
+    block_d, block_s = (dim if out.device.type == "cpu" else min(32, dim)), min(64, max(2, _next_power_of_2(num_splits)))
+    _merge_splits_kernel[(batch * num_q_heads, dim // block_d)](
+        o_part, ml_part, order, out, num_splits, D=dim, BLOCK_D=block_d, BLOCK_S=block_s,
+        STEPS=_cdiv(num_splits, block_s), num_warps=2,
     )  # fmt: skip
 
 
@@ -883,7 +940,7 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
                                * q_scale).contiguous())
     order_v = _cached(value_codec, ("mma_output_order", device), value_codec.centroids,
                       lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
-    q_in = torch.matmul(q.float(), rot_k).to(torch.float16)
+    q_in = _rotate_rows(q, rot_k, torch.float16)
     if num_splits is None:
         num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
     split_len = _cdiv(_cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
@@ -906,7 +963,7 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
             dict(num_warps=1, **extra),
         )  # fmt: skip
         _merge(o_part, ml_part, order_v, out)
-    return _to_model_space(out, value_codec).to(q.dtype)
+    return _to_model_space(out, value_codec, q.dtype)
 
 
 def decode_attention(
@@ -1046,12 +1103,11 @@ def decode_attention(
                                    * q_scale).contiguous())
         order_v = _cached(value_codec, ("tile_order", device), value_codec.centroids,
                           lambda _: tile_order(value_codec.bits, dim).to(device=device, dtype=torch.int32))
-        q_in = q.float()
+        key_scale = None
         if centered is not None:  # q . (scale * z) = (q * scale) . z: scale the query, not the keys
             key_scale = _cached(centered, ("scale_rows", device, G), centered.scale,
                                 lambda t: t.to(device=device, dtype=torch.float32).repeat_interleave(G, 0).contiguous())
-            q_in = q_in * key_scale
-        q_in = torch.matmul(q_in, rot_k).to(torch.float16)
+        q_in = _rotate_rows(q, rot_k, torch.float16, key_scale)
         cent_k = _device_table(key_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
         cent_v = _device_table(value_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
         assert layout.value_offset % 2 == 0, layout  # words of the value code: 4- or 2-byte aligned (_load_words)
@@ -1100,7 +1156,7 @@ def decode_attention(
         )  # fmt: skip
         _merge(o_part, ml_part, order_v, out)
     if kind == "mse":
-        out = _to_model_space(out, value_codec)
+        return _to_model_space(out, value_codec, q.dtype)
     return out.to(q.dtype)
 
 

@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .mse import lookup2_ptx, lookup3_ptx, lookup4_ptx, spread3_ptx
 
-__all__ = ["DIMS", "STEP", "launch", "output_order", "query_order"]
+__all__ = ["DIMS", "STEP", "default_splits", "launch", "output_order", "query_order"]
 
 STEP = 16  # keys per step
 BN = gl.constexpr(STEP)
@@ -67,8 +67,21 @@ BITS = (2, 3, 4)  # key and value widths the loop reads (2-bit values and 3-bit 
 # (results/decode_attention.csv; 3 bits: results/decode_mma_3bit_probe.json)
 DEFAULT_BITS = {(kb, vb) for kb in BITS for vb in BITS}
 MAX_GROUP = 16  # query heads per KV head
-PROGRAMS_PER_SM = 32  # default number of splits: about this many one-warp programs per SM,
-MAX_SPLITS = 400  # and at most this many splits of a sequence (results/decode_mma_launch_probe.json)
+# The default number of splits of a sequence (results/decode_mma_splits.json: within 5 % of the fastest of
+# 2 .. 1024 splits at every point of the benchmark grid): about KEYS_PER_PROGRAM keys a one-warp program,
+KEYS_PER_PROGRAM = 512
+MIN_PROGRAMS_PER_SM, MAX_PROGRAMS_PER_SM = 8, 64  # but between these many programs an SM,
+MIN_SPLIT_KEYS = 32  # and at least this many keys a split
+
+
+def default_splits(rows: int, capacity: int, sm_count: int) -> int:
+    """The default split count for ``rows`` (batch x KV heads) sequences of ``capacity`` keys on ``sm_count``
+    SMs: about ``KEYS_PER_PROGRAM`` keys a program, between ``MIN_PROGRAMS_PER_SM`` and
+    ``MAX_PROGRAMS_PER_SM`` programs an SM, at least ``MIN_SPLIT_KEYS`` keys a split. Little work gets
+    many short splits (the call's latency is the loop's), much work long ones (fewer partials to merge)."""
+    rows = max(1, rows)
+    programs = min(max(rows * capacity / KEYS_PER_PROGRAM, MIN_PROGRAMS_PER_SM * sm_count), MAX_PROGRAMS_PER_SM * sm_count)
+    return max(1, min(round(programs / rows), -(-capacity // MIN_SPLIT_KEYS)))
 
 
 def num_registers(group_rows: int, value_bits: int) -> int | None:

@@ -395,10 +395,53 @@ def test_mma_orders_are_permutations(dim, bits):
         assert torch.equal(torch.sort(order).values, torch.arange(dim))
 
 
-def test_rotate_attention_output_is_one_gemm(device):
+def test_rotate_attention_output_is_one_product(device):
     kc, vc = mse_codecs(64, 4, 3, "haar")
     out = torch.randn(3, 5, 64, device=device)
     torch.testing.assert_close(rotate_attention_output(out, vc), out @ vc.rotation.to(device).T)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 40])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rotate_rows_matches_torch(rows, dim, dtype, device):
+    """The decode path's query and output rotation, ``(x * s) @ w`` in fp32, against torch in fp64."""
+    from kvlab.decode import _rotate_rows
+
+    g = torch.Generator().manual_seed(rows + dim)
+    x = torch.randn(rows, dim, generator=g).to(dtype)
+    w = torch.randn(dim, dim, generator=g)
+    s = torch.rand(3, dim, generator=g) + 0.5
+    for scale in (None, s):
+        expected = x.double() @ w.double() if scale is None else (x.double() * s.double().repeat(rows, 1)[:rows]) @ w.double()
+        out = _rotate_rows(x.to(device), w.to(device), dtype, None if scale is None else scale.to(device))
+        assert out.dtype == dtype and out.shape == x.shape
+        rtol, atol = {torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 1e-2), torch.float32: (1e-5, 1e-4)}[dtype]
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=rtol, atol=atol)  # a rounding of the output
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64, 65, 130, 400])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_merge_matches_log_sum_exp(num_splits, dim, device):
+    """The merge of split partial outputs, against the log-sum-exp merge in fp64; splits with no keys
+    (running maximum -1e30, sum 0) weigh nothing, and the output lands in the coordinate order given."""
+    from kvlab.decode import _merge
+
+    rows = (2, 3)
+    g = torch.Generator().manual_seed(num_splits + dim)
+    o = torch.randn(*rows, num_splits, dim, generator=g)
+    m = torch.randn(*rows, num_splits, generator=g) * 4
+    l = torch.rand(*rows, num_splits, generator=g) + 0.1
+    if num_splits > 1:
+        m[..., -1], l[..., -1], o[..., -1, :] = -1.0e30, 0.0, 0.0  # a split past the sequence's end
+    order = torch.randperm(dim, generator=g).to(torch.int32)
+    out = torch.full((*rows, dim), float("nan"), device=device)
+    _merge(o.to(device), torch.stack([m, l], -1).to(device).contiguous(), order.to(device), out)
+    w = torch.exp2(m.double() - m.double().amax(-1, keepdim=True))
+    merged = (w[..., None] * o.double()).sum(-2) / (w * l.double()).sum(-1, keepdim=True)
+    expected = torch.empty_like(merged)
+    expected[..., order.long()] = merged
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-6)
 
 
 @triton.jit
