@@ -297,6 +297,10 @@ def split_sweep(out: Path, meta: dict) -> None:
                 cands = sorted({default} | {1 << i for i in range(1, 11) if (1 << i) <= L // 16})
                 ms = {n: bench_graph(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, num_splits=n))
                       for n in cands}
+                if None in ms.values():  # a failed call (a CUDA error stays with the process): keep what was measured
+                    res["error"] = f"k{kb}v{vb} batch {b} context {L}: a call failed (see the log)"
+                    (out / "decode_mma_splits.json").write_text(json.dumps(res, indent=1))
+                    return
                 best = min(ms, key=ms.get)
                 res["points"].append(dict(key_bits=kb, value_bits=vb, batch=b, context=L, default_splits=default,
                                           time_graph_ms=ms))

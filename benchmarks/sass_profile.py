@@ -96,7 +96,7 @@ def _record(out: str, only: set[str]) -> None:
         ``options``: launch options the launcher sets only when compiled (``maxnreg``)."""
         first = len(launches)
         result = call()
-        mine = [r for r in launches[first:] if not r["kernel"].startswith("_merge")]  # decode: the split kernel only
+        mine = [r for r in launches[first:] if not r["kernel"].startswith(("_merge", "_rotate_rows"))]  # decode: the loop only
         del launches[first:]
         total = nbytes(result) if callable(nbytes) else nbytes
         for r in mine:

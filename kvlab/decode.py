@@ -14,7 +14,7 @@ What
       .. math:: q \\cdot k = (q R_K) \\cdot (k R_K) = s_k \\sum_j (q R_K)_j\\, c[i_{k,j}],
 
       and ``sum_t p_t v_t = (sum_t p_t s_t c[i_t]) R_V^T``. The query is rotated once
-      (one GEMM for the batch), every score is a dot of the rotated query with the *unscaled*
+      (one matrix product for the batch, ``_rotate_rows``), every score is a dot of the rotated query with the *unscaled*
       centroids of a key times one per-token factor, every value enters with its scale folded
       into the attention weight, and the output is rotated back once at the end
       (``rotate_attention_output``). No cached vector is ever rotated.
@@ -744,7 +744,7 @@ def _check_paged_inputs(q, cache, block_table, seq_lens, layout, check: bool):
 
 
 def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
-    """Rotated-space attention output ``[..., dim]`` -> model space: ``output @ R_V^T`` in fp32, one GEMM.
+    """Rotated-space attention output ``[..., dim]`` -> model space: ``output @ R_V^T`` in fp32, one kernel.
 
     The only inverse rotation of the decode path; returns fp32 (cast as needed).
     """
@@ -759,7 +759,7 @@ def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
 def _rotate_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``(x * scale) @ w`` over the last dimension of ``x`` in fp32, returned as ``dtype``: one launch of
     ``_rotate_rows_kernel`` (``w`` fp32 ``[dim, dim]``; ``scale`` fp32 ``[n, dim]``, row ``r`` of ``x``'s rows
-    taking row ``r % n``). Decode rotates a few rows a call: one small kernel instead of a cast, a GEMM and a cast."""
+    taking row ``r % n``). Decode rotates a few rows a call: one small kernel, not a cast, a GEMM and a cast."""
     dim = x.shape[-1]
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -996,7 +996,8 @@ def decode_attention(
     max_blocks]``, ``seq_lens`` int32/int64 ``[batch]`` (1 .. ``max_blocks * block_size``).
     ``scale``: softmax scale (default ``dim ** -0.5``). Returns ``q.dtype``.
 
-    ``num_splits`` (default: about 16 programs per SM, splits of at least 256 keys), ``block_n`` (keys
+    ``num_splits`` (default: for the split loop about 16 programs per SM, splits of at least 256 keys; for
+    the loop of ``kvlab.decode_mma``, ``decode_mma.default_splits``), ``block_n`` (keys
     per step, a power of two 16..256), ``num_warps``, ``num_stages`` and ``max_registers`` (a cap on
     registers per thread, 32..255, so that more warps fit on an SM; ignored by the interpreter) tune
     the launch; ``fast`` picks, for MSE caches, the ``prmt`` lookup over the generic unpack, and for

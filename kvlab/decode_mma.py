@@ -67,8 +67,8 @@ BITS = (2, 3, 4)  # key and value widths the loop reads (2-bit values and 3-bit 
 # (results/decode_attention.csv; 3 bits: results/decode_mma_3bit_probe.json)
 DEFAULT_BITS = {(kb, vb) for kb in BITS for vb in BITS}
 MAX_GROUP = 16  # query heads per KV head
-# The default number of splits of a sequence (results/decode_mma_splits.json: within 5 % of the fastest of
-# 2 .. 1024 splits at every point of the benchmark grid): about KEYS_PER_PROGRAM keys a one-warp program,
+# The default number of splits of a sequence (results/decode_mma_splits.json: within 4 % of the fastest of
+# 2 .. 1024 splits at each K4V4 point measured): about KEYS_PER_PROGRAM keys a one-warp program,
 KEYS_PER_PROGRAM = 512
 MIN_PROGRAMS_PER_SM, MAX_PROGRAMS_PER_SM = 8, 64  # but between these many programs an SM,
 MIN_SPLIT_KEYS = 32  # and at least this many keys a split
