@@ -855,10 +855,10 @@ def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device,
-                    programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """About ``programs_per_sm`` programs an SM, each split at least ``MIN_SPLIT_TOKENS`` (and ``block_n``) keys."""
-    want = _cdiv(programs_per_sm * _sm_count(device), max(1, batch * num_kv_heads))
+def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
+    """The split loop's default: about ``PROGRAMS_PER_SM`` programs an SM, each split at least
+    ``MIN_SPLIT_TOKENS`` (and ``block_n``) keys."""
+    want = _cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
     return max(1, min(want, _cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
 
 
