@@ -92,7 +92,12 @@ def bench(fn, rep=60):
 
 
 def bench_graph(fn, rep=60):
-    """Median time of ``fn`` replayed from a CUDA graph (None where it cannot be captured)."""
+    """Median time of ``fn`` replayed from a CUDA graph (None where it cannot be captured).
+
+    ``do_bench_cudagraph`` runs ``fn`` on a stream of its own, which does not wait for the default stream:
+    the inputs just made there (random codes, a shuffled block table) must be complete before it reads
+    them, or its first call may read a block table still being written."""
+    torch.cuda.synchronize()
     try:
         return do_bench_cudagraph(fn, rep=rep, return_mode="median")
     except Exception as e:  # noqa: BLE001 - recorded as missing, with the reason printed
