@@ -170,7 +170,7 @@ def _record(out: str, only: set[str]) -> None:
             keys = 2 * decode_mma.STEP
             launches.append(dict(module="kvlab.decode_mma", kernel="decode_mma_kernel", case="decode mma trip", bits=bits,
                                  signature=runtime | {k: "constexpr" for k in constants}, constants=constants, aligned=[],
-                                 options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8, bits)), programs=1,
+                                 options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8)), programs=1,
                                  bytes=keys * layout.slot_bytes, keys_per_trip=keys))
         # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
         # one (fast=True, which the interpreter cannot run without a PTX emulator: the same launch, marked)

@@ -949,7 +949,7 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
     if batch == 0:
         return out.to(q.dtype)
     group_rows = max(8, _next_power_of_2(num_q_heads // num_kv_heads))
-    max_registers = decode_mma.num_registers(group_rows, vb)
+    max_registers = decode_mma.num_registers(group_rows)
     extra = {} if max_registers is None else dict(maxnreg=max_registers)
     with _on_device(device):
         decode_mma.launch(

@@ -38,8 +38,11 @@ How (per step of ``BN = 16`` keys)
       one small exchange within the warp; the key norm scales ``S^T``'s rows.
     * Reads: a step is a block-table entry (when ``block_size`` is a multiple of 16, one per step; else
       one per key), 4-byte code words (the value code starts 2 bytes past a word boundary: the two
-      aligned words around each of its words are read) and the fp16 norms. The loop is unrolled by
-      two and each half issues the reads of the next step before its arithmetic.
+      aligned words around each of its words are read) and the fp16 norms, which the threads of a
+      key's words read. A thread's slot addresses are one scalar a step plus offsets computed once;
+      keys past the end of the sequence are read at its last key's slot, so that no read is masked
+      (with ``block_size`` a multiple of 16). The loop is unrolled by two and each half issues the
+      reads of the next step before its arithmetic.
 
 Needs a CUDA GPU of compute capability 8.0 or later (``mma.sync`` m16n8k16); Triton's interpreter
 cannot run Gluon, so on a CPU ``decode_attention`` uses the split loop. ``tests/test_decode.py``
@@ -84,12 +87,13 @@ def default_splits(rows: int, capacity: int, sm_count: int) -> int:
     return max(1, min(round(programs / rows), -(-capacity // MIN_SPLIT_KEYS)))
 
 
-def num_registers(group_rows: int, value_bits: int) -> int | None:
-    """The launch's register cap (``maxnreg``) for 8 query rows: 128 with 2-bit values (16 programs an SM),
-    else 152 (13 programs an SM); none for 16 rows. No spills at either cap."""
+def num_registers(group_rows: int) -> int | None:
+    """The launch's register cap (``maxnreg``) for 8 query rows: 128 at every width (16 programs an SM, no
+    spills; results/decode_ab_loop_reads.json: 152, 13 programs an SM, was up to 6 % slower at 3 and 4
+    bits); none for 16 rows."""
     if group_rows > 8:
         return None
-    return 128 if value_bits == 2 else 152
+    return 128
 
 
 MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -222,39 +226,51 @@ def _block_of(block_table_ptr, i_b, stride_bt, n0, end, BLOCK_SIZE: gl.constexpr
 
 
 @gluon.jit
-def _slots(block_table_ptr, blk, n0, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+def _slots(cache_ptr, block_table_ptr, blk, n0, o_n, off, h_off, end, i_b, stride_bt, stride_block, stride_pos,
            BLOCK_SIZE: gl.constexpr):
-    """Keys ``n0 + o_n`` -> (valid below ``end``, byte offset of each one's slot of KV head ``i_h``, int64)."""
-    m = (n0 + o_n) < end
-    if BLOCK_SIZE % BN == 0:  # the step lies in one block, blk
-        return m, blk * stride_block + ((n0 % BLOCK_SIZE) + o_n) * stride_pos + i_h * stride_head
-    else:
+    """Keys ``n0 + o_n`` -> (valid below ``end``, the address of each one's slot of the program's KV head).
+    ``off`` is ``o_n * stride_pos + h_off`` (computed once), ``h_off`` the head's offset in a position.
+
+    A step that lies in one block (``blk``, that of key ``min(n0, end - 1)``) reads each key past the last
+    (``end - 1``) at the last one's slot: every read is in a written slot, no read is masked (a masked read
+    also zeroes its registers), and the keys past the end get scores of -inf from the mask."""
+    m = o_n < end - n0
+    if BLOCK_SIZE % BN == 0:
+        n_first = gl.minimum(n0, end - 1)
+        last = (end - 1 - n_first) * stride_pos + h_off  # ``off`` of the last key
+        return m, (cache_ptr + (blk * stride_block + (n_first % BLOCK_SIZE) * stride_pos)) + gl.minimum(off, last)
+    else:  # a block per key; the reads past the end are masked
         b = gl.load(block_table_ptr + i_b * stride_bt + (n0 + o_n) // BLOCK_SIZE, mask=m, other=0).to(gl.int64)
-        return m, b * stride_block + ((n0 + o_n) % BLOCK_SIZE) * stride_pos + i_h * stride_head
+        return m, cache_ptr + (b * stride_block + ((n0 + o_n) % BLOCK_SIZE) * stride_pos + h_off)
 
 
 @gluon.jit
-def _fetch(cache_ptr, block_table_ptr, blk, n0, end, i_b, i_h, o_nk, o_wk, m_wk, o_nv, o_wv, o_nc, stride_bt, stride_block,
-           stride_pos, stride_head, BLOCK_SIZE: gl.constexpr, KEY_NORM_OFFSET: gl.constexpr, VALUE_OFFSET: gl.constexpr,
-           VALUE_NORM_OFFSET: gl.constexpr, KW: gl.constexpr, NWT: gl.constexpr):
+def _fetch(cache_ptr, block_table_ptr, blk, n0, end, i_b, o_nk, off_k, o_wk, m_wk, o_nv, off_v, o_wv, h_off, stride_bt,
+           stride_block, stride_pos, BLOCK_SIZE: gl.constexpr, KEY_NORM_OFFSET: gl.constexpr,
+           VALUE_OFFSET: gl.constexpr, VALUE_NORM_OFFSET: gl.constexpr, KW: gl.constexpr, NWT: gl.constexpr):
     """The reads of the step at keys ``n0 .. n0 + BN``: key words (the first ``KW`` of ``NWT``, ``m_wk``), the
-    two aligned words around each value word, key and value norms (raw fp16 bits)."""
-    m_k, s_k = _slots(block_table_ptr, blk, n0, o_nk, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    two aligned words around each value word, key and value norms (raw fp16 bits, read by the threads of
+    each key's words, which hold the same keys as the rows of ``S^T``)."""
+    m_k, p_k = _slots(cache_ptr, block_table_ptr, blk, n0, o_nk, off_k, h_off, end, i_b, stride_bt, stride_block, stride_pos,
                       BLOCK_SIZE)
-    m_v, s_v = _slots(block_table_ptr, blk, n0, o_nv, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    m_v, p_v = _slots(cache_ptr, block_table_ptr, blk, n0, o_nv, off_v, h_off, end, i_b, stride_bt, stride_block, stride_pos,
                       BLOCK_SIZE)
-    m_c, s_c = _slots(block_table_ptr, blk, n0, o_nc, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
-                      BLOCK_SIZE)
-    if KW == NWT:
-        m_k = m_k[:, None, None]
+    p_k32 = p_k.to(gl.pointer_type(gl.int32))[:, None, None] + o_wk
+    p_v = (p_v + (VALUE_OFFSET - 2)).to(gl.pointer_type(gl.int32))[:, None, None] + o_wv
+    if BLOCK_SIZE % BN == 0:  # every read in a written slot (a 3-bit key's fourth word: its norm and the value's first bytes)
+        w_k = gl.load(p_k32)
+        w_a = gl.load(p_v)
+        w_b = gl.load(p_v + 1)
+        m_k = gl.full(m_k.shape, 1, gl.int1, m_k.type.layout)
     else:
-        m_k = m_k[:, None, None] & m_wk
-    w_k = gl.load((cache_ptr + s_k).to(gl.pointer_type(gl.int32))[:, None, None] + o_wk, mask=m_k, other=0)
-    p_v = (cache_ptr + s_v + VALUE_OFFSET - 2).to(gl.pointer_type(gl.int32))[:, None, None] + o_wv
-    w_a = gl.load(p_v, mask=m_v[:, None, None], other=0)
-    w_b = gl.load(p_v + 1, mask=m_v[:, None, None], other=0)
-    kn = gl.load((cache_ptr + s_c + KEY_NORM_OFFSET).to(gl.pointer_type(gl.uint16)), mask=m_c, other=0)
-    vn = gl.load((cache_ptr + s_c + VALUE_NORM_OFFSET).to(gl.pointer_type(gl.uint16)), mask=m_c, other=0)
+        w_k = gl.load(p_k32, mask=m_k[:, None, None] & m_wk, other=0)
+        w_a = gl.load(p_v, mask=m_v[:, None, None], other=0)
+        w_b = gl.load(p_v + 1, mask=m_v[:, None, None], other=0)
+    rows: gl.constexpr = gl.SliceLayout(1, MMA)
+    kn = gl.convert_layout(gl.load((p_k + KEY_NORM_OFFSET).to(gl.pointer_type(gl.uint16)), mask=m_k, other=0), rows,
+                           assert_trivial=True)
+    vn = gl.convert_layout(gl.load((p_k + VALUE_NORM_OFFSET).to(gl.pointer_type(gl.uint16)), mask=m_k, other=0), rows,
+                           assert_trivial=True)
     return w_k, w_a, w_b, kn, vn
 
 
@@ -344,7 +360,7 @@ def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, v_shift, kn, vn, n0, end, o_nc, 
     """One step on what ``_fetch`` read: scores, online softmax (base 2), output update."""
     b_k = _key_tile(w_k, tk0, tk1, tk2, tk3, D, BITS_K)
     s = mma_v2(b_k, b_qt, gl.full([BN, BG], 0.0, gl.float32, layout=MMA))  # S^T [BN, BG]
-    m_c = (n0 + o_nc) < end
+    m_c = o_nc < end - n0
     s = gl.where(m_c[:, None], s * kn.to(gl.float16, bitcast=True).to(gl.float32)[:, None], float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     alpha = gl.exp2(m_i - m_new)
@@ -427,30 +443,34 @@ def decode_mma_kernel(
         o_wv = (o_gv * NWV)[None, :, None] + o_qv[None, None, :]
         v_shift = 0
     o_nc = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    h_off = i_h.to(gl.int32) * stride_head
+    off_k = o_nk * stride_pos + h_off  # the slots of a step's keys, past its first key's
+    off_v = o_nv * stride_pos + h_off
 
     m_i = gl.full([BG], -1.0e30, gl.float32, layout=gl.SliceLayout(0, MMA))  # finite: no inf - inf
     l_i = gl.full([BG], 0.0, gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.full([D, BG], 0.0, gl.float32, layout=MMA)  # out^T
-    blk = _block_of(block_table_ptr, i_b, stride_bt, start, end, BLOCK_SIZE)
-    blk_b = _block_of(block_table_ptr, i_b, stride_bt, start + BN, end, BLOCK_SIZE)
-    a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk, start, end, i_b, i_h, o_nk, o_wk, m_wk, o_nv, o_wv, o_nc,
-                                       stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, KEY_NORM_OFFSET,
-                                       VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
-    # two steps a trip, on two sets of reads (no copies between them); past the end the reads are masked
-    # and the step changes nothing (its scores are -inf)
-    for n0 in range(start, end, 2 * BN):
-        blk_a = _block_of(block_table_ptr, i_b, stride_bt, n0 + 2 * BN, end, BLOCK_SIZE)
-        b_k, b_a, b_b, b_kn, b_vn = _fetch(cache_ptr, block_table_ptr, blk_b, n0 + BN, end, i_b, i_h, o_nk, o_wk, m_wk, o_nv, o_wv,
-                                           o_nc, stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE,
-                                           KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
-        acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, a_k, a_a, a_b, v_shift, a_kn, a_vn, n0, end, o_nc, tk0, tk1, tk2, tk3,
-                                tv0, tv1, tv2, tv3, D, BG, BITS_K, BITS_V)
-        blk_b = _block_of(block_table_ptr, i_b, stride_bt, n0 + 3 * BN, end, BLOCK_SIZE)
-        a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk_a, n0 + 2 * BN, end, i_b, i_h, o_nk, o_wk, m_wk, o_nv,
-                                           o_wv, o_nc, stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE,
-                                           KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
-        acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, b_k, b_a, b_b, v_shift, b_kn, b_vn, n0 + BN, end, o_nc, tk0, tk1, tk2, tk3,
-                                tv0, tv1, tv2, tv3, D, BG, BITS_K, BITS_V)
+    if end > start:  # an empty split reads nothing (not even the block table)
+        blk = _block_of(block_table_ptr, i_b, stride_bt, start, end, BLOCK_SIZE)
+        blk_b = _block_of(block_table_ptr, i_b, stride_bt, start + BN, end, BLOCK_SIZE)
+        a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk, start, end, i_b, o_nk, off_k, o_wk, m_wk, o_nv, off_v,
+                                           o_wv, h_off, stride_bt, stride_block, stride_pos, BLOCK_SIZE, KEY_NORM_OFFSET,
+                                           VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
+        # two steps a trip, on two sets of reads (no copies between them); past the end the reads repeat the
+        # last key (or are masked) and the step changes nothing (its scores are -inf)
+        for n0 in range(start, end, 2 * BN):
+            blk_a = _block_of(block_table_ptr, i_b, stride_bt, n0 + 2 * BN, end, BLOCK_SIZE)
+            b_k, b_a, b_b, b_kn, b_vn = _fetch(cache_ptr, block_table_ptr, blk_b, n0 + BN, end, i_b, o_nk, off_k, o_wk, m_wk, o_nv,
+                                               off_v, o_wv, h_off, stride_bt, stride_block, stride_pos, BLOCK_SIZE,
+                                               KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
+            acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, a_k, a_a, a_b, v_shift, a_kn, a_vn, n0, end, o_nc, tk0, tk1, tk2, tk3,
+                                    tv0, tv1, tv2, tv3, D, BG, BITS_K, BITS_V)
+            blk_b = _block_of(block_table_ptr, i_b, stride_bt, n0 + 3 * BN, end, BLOCK_SIZE)
+            a_k, a_a, a_b, a_kn, a_vn = _fetch(cache_ptr, block_table_ptr, blk_a, n0 + 2 * BN, end, i_b, o_nk, off_k, o_wk, m_wk,
+                                               o_nv, off_v, o_wv, h_off, stride_bt, stride_block, stride_pos, BLOCK_SIZE,
+                                               KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, KW, NWT)
+            acc, m_i, l_i = _attend(b_qt, acc, m_i, l_i, b_k, b_a, b_b, v_shift, b_kn, b_vn, n0 + BN, end, o_nc, tk0, tk1, tk2, tk3,
+                                    tv0, tv1, tv2, tv3, D, BG, BITS_K, BITS_V)
 
     o_d = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
     o_g = gl.arange(0, BG, layout=gl.SliceLayout(0, MMA))
