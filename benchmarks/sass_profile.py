@@ -42,6 +42,9 @@ TORCH_TYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32
 SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS = 65536, 227 * 1024, 64, 32
 # the whole H200: SMs, boost clock, warp instructions an SM issues per clock (the issue ceiling)
 SM_COUNT, CLOCK_GHZ, ISSUE_PER_CLOCK = 132, 1.98, 4
+# integer and logic opcodes, which run on the integer (ALU) pipe: half a warp instruction a clock per scheduler
+# (integer multiplies and multiply-adds, IMAD, run on the FMA pipe)
+INTEGER_OPS = {"PRMT", "LOP3", "SHF", "IADD3", "ISETP", "LEA", "SEL", "VIMNMX", "IMNMX"}
 
 
 # ----------------------------------------------------------------------------- step 1: record launches
@@ -279,6 +282,7 @@ def profile(launch: dict) -> dict:
         shared_stores=sum(n for op, n in ops.items() if op.startswith(("STS", "STSM"))),
         barriers=sum(n for op, n in ops.items() if op.startswith("BAR")),
         shuffles=sum(n for op, n in ops.items() if op.startswith("SHFL")),
+        integer_instructions=sum(n for op, n in ops.items() if op.split(".")[0] in INTEGER_OPS),
         global_loads=sum(loads.values()), global_stores=sum(stores.values()),
         widest_load=max(map(_access_bytes, loads), default=0), widest_store=max(map(_access_bytes, stores), default=0),
         narrowest_store=min(map(_access_bytes, stores), default=0),
