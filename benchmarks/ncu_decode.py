@@ -60,6 +60,11 @@ L1_METRICS = ("l1tex__data_pipe_lsu_wavefronts.sum", "l1tex__data_pipe_lsu_wavef
               "smsp__inst_executed_op_ldsm.sum", "smsp__inst_executed_op_shared_st.sum", "smsp__inst_executed_op_shared_ld.sum",
               "smsp__inst_executed.sum", "sm__cycles_elapsed.avg")
 
+# how busy the integer (ALU) and the FMA pipes and the issue slots were, % of their peak over the active cycles
+PIPE_METRICS = ("sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+                "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+                "smsp__issue_active.avg.pct_of_peak_sustained_active")
+
 
 def run() -> None:
     import torch
@@ -109,7 +114,7 @@ def summarise(path: str, out: str, run_from: str | None = None) -> None:
         if lid not in launches:
             launches[lid] = {"kernel": r["Kernel Name"][:100]}
             order.append(lid)
-        if r["Metric Name"] in KEEP or r["Metric Name"] in L1_METRICS or r["Metric Name"].startswith(STALLS):
+        if r["Metric Name"] in KEEP + L1_METRICS + PIPE_METRICS or r["Metric Name"].startswith(STALLS):
             launches[lid][r["Metric Name"]] = f"{r['Metric Value']} {r['Metric Unit']}".strip()
     # the calls, split at the spin_kernel launches; the main kernel of each is its longest
     calls, scale = [], {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
@@ -142,10 +147,10 @@ if __name__ == "__main__":
     ap.add_argument("--summarise", help="ncu --csv --page details output to summarise")
     ap.add_argument("--out", default=str(ROOT / "results" / "decode_attention_ncu.json"))
     ap.add_argument("--run-from", help="take device, versions and date from this summary JSON (written on the GPU)")
-    ap.add_argument("--metrics", action="store_true", help="print the stall metrics for ncu's --metrics")
+    ap.add_argument("--metrics", action="store_true", help="print the stall, L1 and pipe metrics for ncu's --metrics")
     args = ap.parse_args()
     if args.metrics:
-        print(",".join([f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS] + list(L1_METRICS)))
+        print(",".join([f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS] + list(L1_METRICS + PIPE_METRICS)))
     elif args.summarise:
         summarise(args.summarise, args.out, args.run_from)
     else:
