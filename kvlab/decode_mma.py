@@ -90,7 +90,7 @@ def default_splits(rows: int, capacity: int, sm_count: int) -> int:
 def num_registers(group_rows: int) -> int | None:
     """The launch's register cap (``maxnreg``) for 8 query rows: 128 at every width (16 programs an SM, no
     spills; results/decode_ab_loop_reads.json: 152, 13 programs an SM, was up to 6 % slower at 3 and 4
-    bits); none for 16 rows."""
+    bits, and 120 or 112, 17 or 18 programs an SM and no spills either, 1-8 % slower); none for 16 rows."""
     if group_rows > 8:
         return None
     return 128
