@@ -71,7 +71,7 @@ BITS = (2, 3, 4)  # key and value widths the loop reads (2-bit values and 3-bit 
 DEFAULT_BITS = {(kb, vb) for kb in BITS for vb in BITS}
 MAX_GROUP = 16  # query heads per KV head
 # The default number of splits of a sequence (results/decode_mma_splits.json: within 4 % of the fastest of
-# 2 .. 1024 splits at each K4V4 point measured): about KEYS_PER_PROGRAM keys a one-warp program,
+# 2 .. 1024 splits at each grid point measured, K4V4 and K2V2): about KEYS_PER_PROGRAM keys a one-warp program,
 KEYS_PER_PROGRAM = 512
 MIN_PROGRAMS_PER_SM, MAX_PROGRAMS_PER_SM = 8, 64  # but between these many programs an SM,
 MIN_SPLIT_KEYS = 32  # and at least this many keys a split
@@ -257,21 +257,23 @@ def _fetch(cache_ptr, block_table_ptr, blk, n0, end, i_b, o_nk, off_k, o_wk, m_w
                       BLOCK_SIZE)
     p_k32 = p_k.to(gl.pointer_type(gl.int32))[:, None, None] + o_wk
     p_v = (p_v + (VALUE_OFFSET - 2)).to(gl.pointer_type(gl.int32))[:, None, None] + o_wv
+    p_kn = (p_k + KEY_NORM_OFFSET).to(gl.pointer_type(gl.uint16))
+    p_vn = (p_k + VALUE_NORM_OFFSET).to(gl.pointer_type(gl.uint16))
     if BLOCK_SIZE % BN == 0:  # every read in a written slot (a 3-bit key's fourth word: its norm and the value's first bytes)
         w_k = gl.load(p_k32)
         w_a = gl.load(p_v)
         w_b = gl.load(p_v + 1)
-        m_k = gl.full(m_k.shape, 1, gl.int1, m_k.type.layout)
+        kn = gl.load(p_kn)
+        vn = gl.load(p_vn)
     else:
         w_k = gl.load(p_k32, mask=m_k[:, None, None] & m_wk, other=0)
         w_a = gl.load(p_v, mask=m_v[:, None, None], other=0)
         w_b = gl.load(p_v + 1, mask=m_v[:, None, None], other=0)
+        kn = gl.load(p_kn, mask=m_k, other=0)
+        vn = gl.load(p_vn, mask=m_k, other=0)
     rows: gl.constexpr = gl.SliceLayout(1, MMA)
-    kn = gl.convert_layout(gl.load((p_k + KEY_NORM_OFFSET).to(gl.pointer_type(gl.uint16)), mask=m_k, other=0), rows,
-                           assert_trivial=True)
-    vn = gl.convert_layout(gl.load((p_k + VALUE_NORM_OFFSET).to(gl.pointer_type(gl.uint16)), mask=m_k, other=0), rows,
-                           assert_trivial=True)
-    return w_k, w_a, w_b, kn, vn
+    return (w_k, w_a, w_b, gl.convert_layout(kn, rows, assert_trivial=True),
+            gl.convert_layout(vn, rows, assert_trivial=True))
 
 
 @gluon.jit
