@@ -9,13 +9,14 @@ times two baseline implementations (a one-program-per-vector MSE decode and a gl
 cache), and writes
 ``results/codec_kernels.csv`` plus ``results/codec_kernels.json`` (device, versions, date, tests).
 ``--only affine`` (or ``mse``) times one codec's kernels into ``codec_kernels_affine.csv`` / ``.json``;
-``--only mse_load`` times the MSE loads alone (slots written by the reference encoder, the same bytes).
+``--only mse_load`` times the MSE loads alone (slots written by the reference encoder, the same bytes);
+``--only mse_store`` the MSE store with the fused Hadamard rotation alone.
 
 Bytes counted per call are the bytes a kernel must move: its inputs read once plus its outputs
 written once (for MSE store that is the fp16 K/V read and the slots written; the rotation GEMM's
 fp32 intermediate is not counted, so its cost shows up as a lower fraction of bandwidth).
 
-    python benchmarks/bench_codecs.py [--sizes 1,4,16] [--out results] [--no-tests | --tests-log FILE] [--only mse|affine|mse_load]
+    python benchmarks/bench_codecs.py [--sizes 1,4,16] [--out results] [--no-tests | --tests-log FILE] [--only mse|affine|mse_load|mse_store]
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def main():
     ap.add_argument("--sweep", nargs="?", const="all", default="",
                     help="time every launch config in TUNABLES and keep the best: for all kernels, "
                          "or for a comma-separated list (e.g. mse_store,mse_load)")
-    ap.add_argument("--only", choices=("mse", "affine", "mse_load"),
+    ap.add_argument("--only", choices=("mse", "affine", "mse_load", "mse_store"),
                     help="one codec's kernels (writes codec_kernels_<only>.csv/.json): a run of the other's stays valid; "
-                         "mse_load: the MSE loads alone, from slots the reference encoder writes (no store compiled)")
+                         "mse_load: the MSE loads alone, from slots the reference encoder writes (no store compiled); "
+                         "mse_store: the Hadamard MSE store alone")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), no timing claims")
     ap.add_argument("--tests-log", help="pytest -q output of a run on this machine, recorded instead of running the tests (several files: comma-separated)")
     args = ap.parse_args()
@@ -172,7 +174,8 @@ def main():
         del y16
 
         # ---- MSE store / load in the paged layout
-        for bits, rot in [(b, r) for r in ("haar", "hadamard") for b in (2, 3, 4)] if args.only in (None, "mse", "mse_load") else []:
+        rotations = ("hadamard",) if args.only == "mse_store" else ("haar", "hadamard")
+        for bits, rot in [(b, r) for r in rotations for b in (2, 3, 4)] if args.only in (None, "mse", "mse_load", "mse_store") else []:
             kc = kvlab.MSECodec(DIM, bits, rotation=rot, seed=0)
             vc = kvlab.MSECodec(DIM, bits, rotation=rot, seed=1)
             layout = kvlab.MSESlot(DIM, bits, bits)
@@ -193,6 +196,9 @@ def main():
                 ms, cfg = tuned(("mse_store", rot, bits), lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, **c))
                 variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
                 record("mse_store", variant, bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg)
+            if args.only == "mse_store":
+                del cache
+                continue
 
             for space in ("rotated", "model"):
                 out = kvlab.load_mse(cache, slots, vc, part="value", space=space)
@@ -222,7 +228,7 @@ def main():
             record("mse_load", "baseline: one program per vector", bits, n, ms, n * layout.value_code_bytes + n * DIM * 2)
             del cache
 
-        if args.only in ("mse", "mse_load"):
+        if args.only in ("mse", "mse_load", "mse_store"):
             del x16, v16
             continue
 

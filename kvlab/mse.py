@@ -2,9 +2,9 @@
 
 What
     ``store_mse`` encodes keys and values of a batch and writes their codes into the cache slots of
-    ``slot_mapping``: rotate, take the norm (fp64 accumulation, rounded to fp32), count the
-    Lloyd-Max boundaries strictly below each normalised coordinate (``torch.bucketize``), pack the
-    indices, append the fp16 scale: the norm, divided (with norm correction) by the length of the
+    ``slot_mapping``: rotate, take the norm (fp64 accumulation, rounded to fp32), quantize each
+    normalised coordinate with the codec's odd quantizer (its sign, then the number of positive
+    Lloyd-Max boundaries strictly below its magnitude; ``MSECodec.encode``), pack the indices, append the fp16 scale: the norm, divided (with norm correction) by the length of the
     picked centroid vector, an fp64 sum of the picked centroids' squares (gathered from a table of
     fp64 sums of the squares of one or two consecutive centroids, ``_square_sums``). One launch for
     the keys, one for the values. The rotation depends on the codec:
@@ -16,8 +16,9 @@ What
       reference's, so the bytes match), and the kernel reads the fp32 rows ``y``.
 
     No division: ``fl(y / norm) > b`` is decided as ``y > t`` with a per-row float32 threshold ``t``
-    derived exactly from ``norm`` and ``b`` (``_thresholds``), and a binary search over the
-    thresholds gives the index. Bytes equal the reference's exactly (``torch.equal``). The store
+    derived exactly from ``norm`` and ``b`` (``_thresholds``; ``fl(|y| / norm) = |fl(y / norm)|``, so
+    the magnitude is compared as ``|y| > t``), and a binary search over the ``2**(bits-1) - 1``
+    positive thresholds gives the magnitude, the zero boundary's threshold the sign. Bytes equal the reference's exactly (``torch.equal``). The store
     kernel is compiled without FMA contraction (``enable_fp_fusion=False``): ``y = z * scale``
     must be rounded before it is compared; the only fused multiply-adds left are explicit fp64
     ones on exact squares (the norm), which round like a multiply and an add; the scale is an IEEE
@@ -208,13 +209,13 @@ def _bucketize(y, ts, shift, BITS: tl.constexpr):
 
     Each outcome halves the candidate thresholds right away (one select per remaining candidate):
     ``BITS`` compares and ``2**BITS - BITS - 1`` selects. Outcomes are predicates (a compare, then
-    one float select per candidate), except at the first of 4 levels, where the 7 selects of each
-    element would keep too many predicates live (the kernel spills): there the outcome is an
-    integer mask, the sign of ``t - y`` (exact: a float difference is zero only for equal operands,
-    no threshold is ``-0``, and the kernel is compiled without FMA contraction), and the selects are
-    bit operations.
+    one float select per candidate), except at the first of 3 levels, where the 3 selects of each
+    element would keep too many predicates live (at 4 bits the store needs 255 registers that way,
+    178 this way): there the outcome is an integer mask, the sign of ``t - y`` (exact: a float
+    difference is zero only for equal operands, no threshold is ``-0``, and the kernel is compiled
+    without FMA contraction), and the selects are bit operations.
     """
-    MASK_LEVELS: tl.constexpr = 1 if BITS == 4 else 0
+    MASK_LEVELS: tl.constexpr = 1 if BITS >= 3 else 0
     idx = tl.zeros(y.shape, dtype=tl.uint32)
     cands = ts
     for level in tl.static_range(BITS):
@@ -268,8 +269,8 @@ def _encode_rows(
     # pointers
     x_ptr,  # HADAMARD: the input rows (fp16/bf16/fp32); else the rotated rows (fp32)
     sign_ptr,  # HADAMARD: int16/int32 [D]: the sign bit of the rotation's sign, per column
-    mid_ptr,  # fp64 [2**BITS - 1]: midpoints between each boundary and the next float32
-    tie_ptr,  # int32 [2**BITS - 1]: 1 where a value at the midpoint rounds up
+    mid_ptr,  # fp64 [2**(BITS-1)]: midpoints between each boundary (zero, then the positive ones) and the next float32
+    tie_ptr,  # int32 [2**(BITS-1)]: 1 where a value at the midpoint rounds up
     sq_ptr,  # fp64: sums of the squares of TUPLE centroids (NORM_CORRECTION; see _square_sums)
     cache_ptr,  # uint8: the cache, addressed by byte offsets
     norm_ptr,  # fp32 [num_rows]: CHECK: the rows' stored scales, checked by the launcher
@@ -339,9 +340,15 @@ def _encode_rows(
         b_sq = tl.fma(b_y64, b_y64, b_sq)
     b_norm = tl.sqrt(tl.sum(tl.sum(b_sq, axis=2), axis=0)).to(tl.float32)  # [BR]
 
-    # index = number of boundaries strictly below y / norm (torch.bucketize), without dividing;
-    # then pack: index k of a chunk (group) sits at bit BITS * k of the group's word (BITS bytes)
-    ts = _thresholds(b_norm, mid_ptr, tie_ptr, (1 << BITS) - 1)  # [1, BR, 1] each
+    # index (MSECodec.encode's odd quantizer), without dividing: the magnitude m = the number of
+    # positive boundaries strictly below |y| / norm, then HALF + m where y / norm > 0, else
+    # HALF - 1 - m; pack: index k of a chunk (group) sits at bit BITS * k of the group's word
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    ts_all = _thresholds(b_norm, mid_ptr, tie_ptr, HALF)  # [1, BR, 1] each: the zero boundary, then the positive ones
+    t_zero = ts_all[0]
+    ts = ()
+    for i in tl.static_range(1, HALF):
+        ts = ts + (ts_all[i],)
     # |c|^2 as in the reference, an fp64 sum of the (exact) squares of the picked centroids: the
     # table holds the fp64 sums of TUPLE consecutive ones (by their packed bits), one gather and
     # one add per TUPLE elements instead of a gather, a conversion and a multiply-add per element
@@ -350,13 +357,15 @@ def _encode_rows(
     b_len = tl.zeros([H, BR], dtype=tl.float64)
     piece_words = ()
     for c in tl.static_range(CP):
-        # 2 bits: the indices come out at their bits in the group word, which is then their sum;
-        # at 3 bits that keeps more predicates live (the compiler parks them in registers), and
-        # at 4 bits the squares table is gathered by index
+        # the magnitude m by a binary search of |y| (one compare at 2 bits), then the index
+        # m ^ (HALF if y > t_zero else HALF - 1): HALF + m, or HALF - 1 - m (m < HALF)
         if BITS == 2:
-            b_idx = _bucketize(ys[c], ts, o_shift, BITS)  # [H, BR, 8] uint32, shifted
+            b_m = (tl.abs(ys[c]) > ts[0]).to(tl.uint32)
         else:
-            b_idx = _bucketize(ys[c], ts, 0, BITS)  # [H, BR, 8] uint32
+            b_m = _bucketize(tl.abs(ys[c]), ts, 0, BITS - 1)  # [H, BR, 8] uint32
+        b_idx = b_m ^ tl.where(ys[c] > t_zero, HALF, HALF - 1).to(tl.uint32)
+        if BITS == 2:  # the indices at their bits in the group word, which is then their sum
+            b_idx = b_idx << o_shift
         if 8 * C != D:
             m_pad = ((o_q * NP)[:, None] + c * 8 + o_k[None, :] < D)[:, None, :]  # [H, 1, 8]: real columns
             b_idx = tl.where(m_pad, b_idx, 0)  # padding: zero bits
@@ -431,8 +440,8 @@ def _store_mse_kernel(
     # pointers
     x_ptr,  # rows [num_rows, D]: the input (HADAMARD) or the rotated rows (fp32)
     sign_ptr,  # HADAMARD: int16/int32 [D] sign bits of the rotation's signs
-    mid_ptr,  # fp64 [2**BITS - 1]: boundary midpoints (see _thresholds)
-    tie_ptr,  # int32 [2**BITS - 1]
+    mid_ptr,  # fp64 [2**(BITS-1)]: midpoints of the zero and the positive boundaries (see _thresholds)
+    tie_ptr,  # int32 [2**(BITS-1)]
     sq_ptr,  # fp64: sums of the squares of TUPLE centroids (NORM_CORRECTION)
     slot_ptr,  # int32/int64 [num_tokens]
     cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes], last dim contiguous
@@ -971,8 +980,9 @@ def _square_sums(codec, device):
     return _cached(codec, ("square_sums", device, _square_tuple(codec.bits)), codec.centroids, build)
 
 
-def _midpoints(codec, device):
-    """``(mid, tie)`` on ``device`` for the store's division-free compare (see ``_thresholds``).
+def _midpoints(codec, device, name: str = "codec"):
+    """``(mid, tie)`` on ``device`` for the store's division-free compare (see ``_thresholds``), for
+    the boundaries the odd quantizer compares with: the middle one (zero), then the positive ones.
 
     ``mid[i]`` (float64) is the midpoint between boundary ``i`` (float32) and the next float32 up;
     ``tie[i]`` (int32) is 1 where a value exactly at the midpoint rounds up (to the even neighbour).
@@ -980,7 +990,11 @@ def _midpoints(codec, device):
     def build(boundaries):
         b = boundaries.detach().to("cpu", torch.float32)
         if not bool(torch.isfinite(b).all()) or bool((b[1:] <= b[:-1]).any()):
-            raise ValueError("codec.boundaries must be finite and strictly ascending")
+            raise ValueError(f"{name}.boundaries must be finite and strictly ascending")
+        if b.numel() != (1 << codec.bits) - 1 or not torch.equal(b, -b.flip(0)):
+            raise ValueError(f"{name}.boundaries must be 2**bits - 1 = {(1 << codec.bits) - 1} values, antisymmetric "
+                             f"(b[i] == -b[-1 - i], the middle one 0), got {b.tolist()}")
+        b = b[(1 << (codec.bits - 1)) - 1:]  # 0, then the positive ones
         up = torch.nextafter(b, torch.tensor(float("inf")))
         mid = (b.double() + up.double()) / 2  # exact: a 25-bit significand
         tie = ((up.view(torch.int32) & 1) == 0).to(torch.int32)  # round half to even
@@ -1232,8 +1246,8 @@ def store_mse(
 
     device = cache.device
     parts = []
-    for x, codec, offset, index_bytes in ((key, key_codec, 0, layout.key_bytes),
-                                          (value, value_codec, layout.value_offset, layout.value_bytes)):
+    for name, x, codec, offset, index_bytes in (("key_codec", key, key_codec, 0, layout.key_bytes),
+                                                ("value_codec", value, value_codec, layout.value_offset, layout.value_bytes)):
         signs = _hadamard_signs(codec)
         if signs is not None:  # fused: the kernel rotates the input rows itself
             rows = x.reshape(num_rows, dim)
@@ -1243,7 +1257,7 @@ def store_mse(
         else:  # the reference's rotation, as one GEMM per tensor: [num_rows, dim] fp32, contiguous
             rows = x.reshape(num_rows, dim).float() @ _rotation(codec, device)
             sign_bits, scale = rows, 1.0  # unused
-        mid, tie = _midpoints(codec, device)
+        mid, tie = _midpoints(codec, device, name)
         parts.append(dict(rows=rows, signs=sign_bits, mid=mid, tie=tie, scale=scale, hadamard=signs is not None,
                           squares=_square_sums(codec, device),
                           head=_store_head(cache, offset, index_bytes + NORM_BYTES)))

@@ -92,6 +92,14 @@ class MSECodec:
     ``space="rotated"`` returns the vector in rotated coordinates (``y = x @ rotation``), which is
     what attention in rotated space consumes; ``"model"`` rotates it back.
 
+    Each normalised coordinate ``u = y / |y|`` (float32) gets the index of its nearest centroid by an
+    odd quantizer: with ``h = 2**(bits - 1)`` and ``m`` the number of positive boundaries strictly
+    below ``|u|``, the index is ``h + m`` where ``u > 0`` and ``h - 1 - m`` elsewhere (centroids and
+    boundaries ascending and antisymmetric, the middle boundary 0). So ``-u`` gets the mirrored
+    centroid of ``u``'s, and a coordinate exactly on a boundary goes to the centroid of smaller
+    magnitude on either side (``torch.bucketize`` over all boundaries would send negative ones to
+    the larger: the only difference).
+
     ``rotation`` is always the dense float32 matrix (decoding uses it). With ``rotation="hadamard"``
     the encoder does not multiply by it but computes the same product as
     ``fwht(x.float() * hadamard_signs) * hadamard_scale`` (``hadamard_signs``: float32 ``+-1``
@@ -140,7 +148,9 @@ class MSECodec:
         y = self.rotate(x)
         norm = y.double().square().sum(-1).sqrt().float()
         unit = y / torch.where(norm > 0, norm, 1.0).unsqueeze(-1)
-        idx = torch.bucketize(unit, self.boundaries.to(x.device))  # number of boundaries < unit
+        half = 1 << (self.bits - 1)  # odd quantizer: the magnitude, then the sign
+        m = torch.bucketize(unit.abs(), self.boundaries[half:].to(x.device))  # positive boundaries < |unit|
+        idx = torch.where(unit > 0, half + m, half - 1 - m)
         scale = norm
         if self.norm_correction:  # |c|: fp64 sum of the (exact) squares, sqrt in fp64, rounded once to fp32
             length = self.centroids.to(x.device)[idx].double().square().sum(-1).sqrt().float()

@@ -277,23 +277,32 @@ def test_roundtrip_store_then_load(device):
 
 def test_store_ties_round_half_to_even(device):
     """y / norm exactly halfway between a boundary and the next float32 (only reachable with tiny
-    values): it rounds to the even neighbour, up past some boundaries and down onto others."""
+    values): it rounds to the even neighbour, up past some boundaries and down onto others, on both
+    sides of zero; and a coordinate exactly on a negative boundary goes to the centroid of smaller
+    magnitude, as on the positive side (the odd quantizer of ``MSECodec.encode``)."""
     s = 2.0**-149
     dim, heads = 16, 1
-    kc = _identity_codec(dim, 2)
-    kc.boundaries = torch.tensor([-3 * s, 0.0, 5 * s])  # halfway points round up, down, up
-    vc = _identity_codec(dim, 2)
-    layout = kvlab.MSESlot(dim, 2, 2)
-    rows = torch.zeros(4, dim)
+    kc = _identity_codec(dim, 3)
+    kc.boundaries = torch.tensor([-9 * s, -6 * s, -3 * s, 0.0, 3 * s, 6 * s, 9 * s])  # halfway: up, down, up; 0: down
+    vc = _identity_codec(dim, 3)
+    layout = kvlab.MSESlot(dim, 3, 3)
+    centers = [-18, -12, -6, 0, 6, 12, 18]  # y = (center + k) s, so y / 2 is on or halfway past a boundary
+    rows = torch.zeros(len(centers), dim)
     rows[:, 0] = 2.0  # norm 2: y / norm = y / 2 is exactly representable halfway between floats
-    for r, center in enumerate([-5, 1, 11, 0]):
+    for r, center in enumerate(centers):
         rows[r, 1:8] = torch.tensor([(center + k) * s for k in (-3, -2, -1, 0, 1, 2, 3)])
+    rows[3, 8:10] = torch.tensor([-0.0, 0.0])
     key = rows.view(-1, heads, dim)
     slots = torch.arange(key.shape[0])
     cache = torch.full((key.shape[0], 1, heads, layout.slot_bytes), SENTINEL, dtype=torch.uint8)
     key, slots, cache = (t.to(device) for t in (key, slots, cache))
     ref = cache.clone()
-    kvlab.write_slots(ref, slots, kc.encode(key), vc.encode(key), layout)
+    codes = kc.encode(key)
+    idx = kvlab.unpack_indices(codes[..., : kc.index_bytes], 3, dim).view(len(centers), dim)
+    assert idx[2, 1:8].tolist() == [2, 2, 2, 3, 3, 3, 3]  # -4.5s -> -4s, -4s, -3.5s -> -4s: past -3s; -3s on it: 3
+    assert idx[4, 1:8].tolist() == [4, 4, 4, 4, 5, 5, 5]  # 1.5s -> 2s, 2s, 2.5s -> 2s, 3s (not above 3s), 3.5s -> 4s, ...
+    assert idx[3, 4].item() == 3 and idx[3, 5].item() == 3 and idx[3, 8:10].tolist() == [3, 3]  # 0.5s -> 0, zeros: u > 0 fails
+    kvlab.write_slots(ref, slots, codes, vc.encode(key), layout)
     store_mse(key, key, slots, cache, kc, vc, block_rows=STORE_ROWS)
     assert torch.equal(cache, ref)
 
@@ -465,6 +474,8 @@ def _nan_value():
 BAD = [
     ("key_codec bits", lambda: _store(key_codec=_FakeCodec(bits=5)), ValueError, "key_codec.bits"),
     ("key_codec not a codec", lambda: _store(key_codec="mse"), TypeError, "key_codec"),
+    ("value_codec boundaries not antisymmetric", lambda: _store(value_codec=_FakeCodec(bits=3, centroids=VC.centroids, boundaries=VC.boundaries + 1e-3)),
+     ValueError, r"value_codec.boundaries must be 2\*\*bits - 1 = 7 values, antisymmetric"),
     ("value_codec dim", lambda: _store(value_codec=codecs(128, 3, 3, "haar")[0]), ValueError, "value_codec.dim"),
     ("key int dtype", lambda: _store(key=torch.ones(3, 2, 64, dtype=torch.int32)), TypeError, "key must have dtype"),
     ("key 2-D", lambda: _store(key=torch.ones(6, 64)), ValueError, "key must have shape"),

@@ -70,6 +70,23 @@ def test_mse_code_layout_and_norm():
     torch.testing.assert_close(rot.norm(dim=-1), x.norm(dim=-1), rtol=2**-11, atol=0)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_mse_quantizer_is_odd_and_nearest(bits):
+    """Each coordinate gets its nearest centroid, and -x the mirrored indices of x (no zero coordinates;
+    exact ties: test_mse_kernels.py::test_store_ties_round_half_to_even)."""
+    torch.manual_seed(bits)
+    dim = 64
+    codec = kvlab.MSECodec(dim, bits, rotation="haar")
+    codec.rotation = torch.eye(dim)  # quantize x itself
+    x = torch.randn(500, dim)
+    idx = kvlab.unpack_indices(codec.encode(x)[..., : codec.index_bytes], bits, dim)
+    u = x / x.double().norm(dim=-1, keepdim=True).float()
+    dist = (u.unsqueeze(-1) - codec.centroids).abs()
+    assert torch.equal(dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1), dist.min(-1).values)
+    mirrored = kvlab.unpack_indices(codec.encode(-x)[..., : codec.index_bytes], bits, dim)
+    assert torch.equal(mirrored, (1 << bits) - 1 - idx)
+
+
 def test_mse_norm_correction_keeps_norms_and_zero_vector():
     """Plain decoding shrinks norms by sqrt(1 - D_mse); norm correction restores them (at some MSE)."""
     torch.manual_seed(1)
