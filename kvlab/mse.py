@@ -18,11 +18,11 @@ What
     No division: ``fl(y / norm) > b`` is decided as ``y > t`` with a per-row float32 threshold ``t``
     derived exactly from ``norm`` and ``b`` (``_thresholds``; ``fl(|y| / norm) = |fl(y / norm)|``, so
     the magnitude is compared as ``|y| > t``), and a binary search over the ``2**(bits-1) - 1``
-    positive thresholds gives the magnitude, the zero boundary's threshold the sign. Bytes equal the reference's exactly (``torch.equal``). The store
-    kernel is compiled without FMA contraction (``enable_fp_fusion=False``): ``y = z * scale``
-    must be rounded before it is compared; the only fused multiply-adds left are explicit fp64
-    ones on exact squares (the norm), which round like a multiply and an add; the scale is an IEEE
-    division (``tl.div_rn``).
+    positive thresholds gives the magnitude, the zero boundary's threshold the sign. Bytes equal
+    the reference's exactly (``torch.equal``). The store kernel is compiled without FMA contraction
+    (``enable_fp_fusion=False``): ``y = z * scale`` must be rounded before it is compared; the only
+    fused multiply-adds left are explicit fp64 ones on exact squares (the norm), which round like a
+    multiply and an add; the scale is an IEEE division (``tl.div_rn``).
 
     ``load_mse`` reads the key or the value part of the slots back: unpack the indices, gather the
     centroids (a table of at most 16 floats, one cache line), multiply by the stored fp16 scale (the
@@ -39,9 +39,9 @@ Tiling
     lanes (dim 256: two threads per row, ``block_rows = 16 * num_warps``), whose last butterfly
     stages pair the pieces through two-term sums across lanes. A row is loaded as 16-byte chunks of
     8 columns, so a thread holds its piece in registers: the butterflies, the norm and the
-    2**bits - 1 thresholds of the row cost no data movement (two threads per row cost more
-    instructions per byte than the 255 registers of one: the per-row work is done twice and the
-    last stages cross lanes). The packed code goes out as 4-byte words through
+    2**(bits-1) thresholds of the row cost no data movement (two threads per row cost more
+    instructions per byte than the registers of one, 178 at 4 bits: the per-row work is done twice
+    and the last stages cross lanes). The packed code goes out as 4-byte words through
     a coalesced store (a head and a tail of at most 3 bytes per row when the code is not 4-byte
     aligned; bytes when the cache's strides are not multiples of 4).
 
