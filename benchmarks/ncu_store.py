@@ -1,0 +1,104 @@
+"""Hardware counters of the MSE store with the Hadamard rotation (GPU, Nsight Compute).
+
+Run under ``ncu`` with ``--profile-from-start off``: the store is compiled and run once first, then
+one call (two launches: the keys, the values) runs between ``cudaProfilerStart`` and
+``cudaProfilerStop``, at 4M vectors of dim 128 in 8 heads, fp16 input, 4-bit keys and values::
+
+    ncu --clock-control none --profile-from-start off --section WarpStateStats --section SchedulerStats \\
+        --section Occupancy --section SpeedOfLight --metrics $(python benchmarks/ncu_store.py --metrics) \\
+        --csv --page details python benchmarks/ncu_store.py > ncu.csv
+    python benchmarks/ncu_store.py --summarise ncu.csv --out results/codec_store_ncu.json
+
+``results/codec_store_ncu.csv.gz`` is the committed run's ncu output; ``--summarise`` reads it too
+(``--run-from`` a JSON written on that GPU keeps its device and versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import gzip
+import io
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ncu_decode import KEEP, STALL_REASONS, STALLS  # noqa: E402
+
+DIM, HEADS, BITS, VECTORS = 128, 8, 4, 4 << 20
+# pipes' use (% of peak over the active cycles), issue slots, L1 traffic, instructions
+METRICS = ("sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+           "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+           "sm__pipe_fp64_cycles_active.avg.pct_of_peak_sustained_active",
+           "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
+           "smsp__issue_active.avg.pct_of_peak_sustained_active",
+           "l1tex__data_pipe_lsu_wavefronts.sum", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+           "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum", "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+           "smsp__inst_executed.sum", "l1tex__throughput.avg.pct_of_peak_sustained_active")
+
+
+def run() -> None:
+    import torch
+
+    import kvlab
+
+    tokens = VECTORS // HEADS
+    key = torch.randn(tokens, HEADS, DIM, device="cuda", dtype=torch.float16)
+    value = torch.randn_like(key)
+    kc = kvlab.MSECodec(DIM, BITS, rotation="hadamard", seed=0)
+    vc = kvlab.MSECodec(DIM, BITS, rotation="hadamard", seed=1)
+    layout = kvlab.MSESlot(DIM, BITS, BITS)
+    cache = torch.zeros(tokens // 16, 16, HEADS, layout.slot_bytes, dtype=torch.uint8, device="cuda")
+    slots = torch.randperm(tokens, device="cuda", dtype=torch.int64).to(torch.int32)
+    kvlab.store_mse(key, value, slots, cache, kc, vc, check=False)  # compile, outside the profiled range
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    kvlab.store_mse(key, value, slots, cache, kc, vc, check=False)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def summarise(path: str, out: str, run_from: str | None = None) -> None:
+    """ncu's ``--csv --page details`` output (or its gzip) -> the kept metrics of each store launch."""
+    import torch
+    import triton
+
+    text = (gzip.open(path, "rt") if path.endswith(".gz") else open(path)).read()
+    text = text[text.index('"ID"'):]  # ncu prints its own lines before the table
+    launches: dict[str, dict] = {}
+    for r in csv.DictReader(io.StringIO(text)):
+        if "_store_mse_kernel" not in r["Kernel Name"]:
+            continue
+        m = launches.setdefault(r["ID"], {"kernel": r["Kernel Name"][:100]})
+        if r["Metric Name"] in KEEP + METRICS or r["Metric Name"].startswith(STALLS):
+            m[r["Metric Name"]] = f"{r['Metric Value']} {r['Metric Unit']}".strip()
+    if len(launches) != 2:
+        raise SystemExit(f"expected the two launches of one store (keys, values), found {len(launches)}")
+    run = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+           "triton": triton.__version__, "date": dt.date.today().isoformat()}
+    if run_from:
+        run = {k: json.loads(Path(run_from).read_text())[k] for k in run}
+    result = run | {"shape": f"{VECTORS >> 20}M vectors of dim {DIM} in {HEADS} heads, fp16, {BITS}-bit keys and values, "
+                             "Hadamard rotation", "ncu": "--clock-control none", "launches": list(launches.values())}
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    for m in launches.values():
+        print(json.dumps(m))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--summarise", help="ncu --csv --page details output to summarise")
+    ap.add_argument("--out", default=str(ROOT / "results" / "codec_store_ncu.json"))
+    ap.add_argument("--run-from", help="take device, versions and date from this JSON (written on the GPU)")
+    ap.add_argument("--metrics", action="store_true", help="print the metrics for ncu's --metrics")
+    args = ap.parse_args()
+    if args.metrics:
+        print(",".join([f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS] + list(METRICS)))
+    elif args.summarise:
+        summarise(args.summarise, args.out, args.run_from)
+    else:
+        run()
