@@ -48,3 +48,20 @@ def test_bench_codecs_smoke_mse_load(tmp_path):
     # the loads decode the reference encoder's slots as the reference does
     errs = {k: v for k, v in meta["checks"].items() if not k.startswith("baseline")}
     assert len(errs) == 12 and all(v < 1e-3 for v in errs.values()), errs
+
+
+@CPU_ONLY
+def test_bench_codecs_smoke_mse_store(tmp_path):
+    rows, meta = smoke(tmp_path, "mse_store")
+    kernels = {(r["kernel"], r["variant"], r["bits"]) for r in rows}
+    assert kernels == {("copy", "device copy of the fp16 vectors", "")} | {
+        ("mse_store", "hadamard, K+V, FWHT fused", b) for b in ("2", "3", "4")}, kernels
+    # the store's bytes at a sample are the reference encoder's
+    assert meta["checks"] == {f"mse_store_hadamard_b{b}_bytes_equal": True for b in (2, 3, 4)}, meta["checks"]
+
+
+def test_ncu_store_summary_reads_the_committed_run(tmp_path):
+    out = tmp_path / "ncu.json"
+    subprocess.run([sys.executable, "benchmarks/ncu_store.py", "--summarise", "results/codec_store_ncu.csv.gz", "--out", str(out),
+                    "--run-from", "results/codec_store_ncu.json"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert json.loads(out.read_text()) == json.loads((ROOT / "results" / "codec_store_ncu.json").read_text())
