@@ -142,16 +142,22 @@ def summarise(path: str, out: str, run_from: str | None = None) -> None:
         print(name, json.dumps(m))
 
 
-if __name__ == "__main__":
+def main(run, summarise, metrics: tuple[str, ...], out: str) -> None:
+    """The command line of an ncu script: run the profiled calls, print ``--metrics`` (the stalls, then
+    ``metrics``) for ncu, or ``--summarise`` ncu's output into ``--out`` (default ``out``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--summarise", help="ncu --csv --page details output to summarise")
-    ap.add_argument("--out", default=str(ROOT / "results" / "decode_attention_ncu.json"))
+    ap.add_argument("--out", default=out)
     ap.add_argument("--run-from", help="take device, versions and date from this summary JSON (written on the GPU)")
-    ap.add_argument("--metrics", action="store_true", help="print the stall, L1 and pipe metrics for ncu's --metrics")
+    ap.add_argument("--metrics", action="store_true", help="print the metrics for ncu's --metrics")
     args = ap.parse_args()
     if args.metrics:
-        print(",".join([f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS] + list(L1_METRICS + PIPE_METRICS)))
+        print(",".join([f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS] + list(metrics)))
     elif args.summarise:
         summarise(args.summarise, args.out, args.run_from)
     else:
         run()
+
+
+if __name__ == "__main__":
+    main(run, summarise, L1_METRICS + PIPE_METRICS, str(ROOT / "results" / "decode_attention_ncu.json"))

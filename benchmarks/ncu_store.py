@@ -15,7 +15,6 @@ one call (two launches: the keys, the values) runs between ``cudaProfilerStart``
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime as dt
 import gzip
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ncu_decode import KEEP, STALL_REASONS, STALLS  # noqa: E402
+from benchmarks.ncu_decode import KEEP, STALLS, main  # noqa: E402
 
 DIM, HEADS, BITS, VECTORS = 128, 8, 4, 4 << 20
 # pipes' use (% of peak over the active cycles), issue slots, L1 traffic, instructions
@@ -90,15 +89,4 @@ def summarise(path: str, out: str, run_from: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--summarise", help="ncu --csv --page details output to summarise")
-    ap.add_argument("--out", default=str(ROOT / "results" / "codec_store_ncu.json"))
-    ap.add_argument("--run-from", help="take device, versions and date from this JSON (written on the GPU)")
-    ap.add_argument("--metrics", action="store_true", help="print the metrics for ncu's --metrics")
-    args = ap.parse_args()
-    if args.metrics:
-        print(",".join([f"{STALLS}{r}_per_issue_active.ratio" for r in STALL_REASONS] + list(METRICS)))
-    elif args.summarise:
-        summarise(args.summarise, args.out, args.run_from)
-    else:
-        run()
+    main(run, summarise, METRICS, str(ROOT / "results" / "codec_store_ncu.json"))
