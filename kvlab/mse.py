@@ -4,7 +4,8 @@ What
     ``store_mse`` encodes keys and values of a batch and writes their codes into the cache slots of
     ``slot_mapping``: rotate, take the norm (fp64 accumulation, rounded to fp32), quantize each
     normalised coordinate with the codec's odd quantizer (its sign, then the number of positive
-    Lloyd-Max boundaries strictly below its magnitude; ``MSECodec.encode``), pack the indices, append the fp16 scale: the norm, divided (with norm correction) by the length of the
+    Lloyd-Max boundaries strictly below its magnitude; ``MSECodec.encode``), pack the indices,
+    append the fp16 scale: the norm, divided (with norm correction) by the length of the
     picked centroid vector, an fp64 sum of the picked centroids' squares (gathered from a table of
     fp64 sums of the squares of one or two consecutive centroids, ``_square_sums``). One launch for
     the keys, one for the values. The rotation depends on the codec:
@@ -269,7 +270,7 @@ def _encode_rows(
     # pointers
     x_ptr,  # HADAMARD: the input rows (fp16/bf16/fp32); else the rotated rows (fp32)
     sign_ptr,  # HADAMARD: int16/int32 [D]: the sign bit of the rotation's sign, per column
-    mid_ptr,  # fp64 [2**(BITS-1)]: midpoints between each boundary (zero, then the positive ones) and the next float32
+    mid_ptr,  # fp64 [2**(BITS-1)]: midpoints between each boundary (0, the positive ones) and the next float32
     tie_ptr,  # int32 [2**(BITS-1)]: 1 where a value at the midpoint rounds up
     sq_ptr,  # fp64: sums of the squares of TUPLE centroids (NORM_CORRECTION; see _square_sums)
     cache_ptr,  # uint8: the cache, addressed by byte offsets
