@@ -96,33 +96,43 @@ def run() -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def summarise(path: str, out: str, run_from: str | None = None) -> None:
-    """ncu's ``--csv --page details`` output (or its gzip) -> per configuration, the main kernel's kept
-    metrics. Device, versions and date: this machine's, or those of the JSON ``run_from`` (a summary
-    written on the GPU that ran ncu)."""
+def read_launches(path: str, metrics: tuple[str, ...]) -> dict[str, dict]:
+    """ncu's ``--csv --page details`` output (or its gzip) -> ``{launch id: {"kernel": name, metric:
+    "value unit"}}`` in launch order, with the metrics of ``KEEP``, the stalls and ``metrics``."""
     import gzip
-
-    import torch
-    import triton
 
     text = (gzip.open(path, "rt") if path.endswith(".gz") else open(path)).read()
     text = text[text.index('"ID"'):]  # ncu prints its own lines before the table
     launches: dict[str, dict] = {}
-    order: list[str] = []
     for r in csv.DictReader(io.StringIO(text)):
-        lid = r["ID"]
-        if lid not in launches:
-            launches[lid] = {"kernel": r["Kernel Name"][:100]}
-            order.append(lid)
-        if r["Metric Name"] in KEEP + L1_METRICS + PIPE_METRICS or r["Metric Name"].startswith(STALLS):
-            launches[lid][r["Metric Name"]] = f"{r['Metric Value']} {r['Metric Unit']}".strip()
+        m = launches.setdefault(r["ID"], {"kernel": r["Kernel Name"][:100]})
+        if r["Metric Name"] in KEEP + metrics or r["Metric Name"].startswith(STALLS):
+            m[r["Metric Name"]] = f"{r['Metric Value']} {r['Metric Unit']}".strip()
+    return launches
+
+
+def run_info(run_from: str | None) -> dict:
+    """Device, versions and date: this machine's, or those of the JSON ``run_from`` (a summary written
+    on the GPU that ran ncu)."""
+    import torch
+    import triton
+
+    run = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+           "triton": triton.__version__, "date": dt.date.today().isoformat()}
+    return {k: json.loads(Path(run_from).read_text())[k] for k in run} if run_from else run
+
+
+def summarise(path: str, out: str, run_from: str | None = None) -> None:
+    """ncu's ``--csv --page details`` output (or its gzip) -> per configuration, the main kernel's kept
+    metrics (device, versions and date: ``run_info``)."""
+    launches = read_launches(path, L1_METRICS + PIPE_METRICS)
     # the calls, split at the spin_kernel launches; the main kernel of each is its longest
     calls, scale = [], {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
-    for lid in order:
-        if "spin_kernel" in launches[lid]["kernel"]:
+    for m in launches.values():
+        if "spin_kernel" in m["kernel"]:
             calls.append([])
         elif calls:
-            calls[-1].append(launches[lid])
+            calls[-1].append(m)
     if len(calls) != len(CONFIGS) or not all(calls):
         raise SystemExit(f"expected {len(CONFIGS)} calls, found {[len(c) for c in calls]}")
 
@@ -131,11 +141,7 @@ def summarise(path: str, out: str, run_from: str | None = None) -> None:
         return float(value.replace(",", "")) * scale.get(unit, 1.0)
 
     main = [max(c, key=duration_us) | {"kernels_in_call": len(c)} for c in calls]
-    run = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-           "triton": triton.__version__, "date": dt.date.today().isoformat()}
-    if run_from:
-        run = {k: json.loads(Path(run_from).read_text())[k] for k in run}
-    result = run | {"shape": "batch 8, context 32k, 32/8 heads, dim 128", "ncu": "--clock-control none",
+    result = run_info(run_from) | {"shape": "batch 8, context 32k, 32/8 heads, dim 128", "ncu": "--clock-control none",
                     "kernels": {name: m for (name, *_), m in zip(CONFIGS, main)}}
     Path(out).write_text(json.dumps(result, indent=1))
     for name, m in result["kernels"].items():

@@ -15,10 +15,6 @@ one call (two launches: the keys, the values) runs between ``cudaProfilerStart``
 
 from __future__ import annotations
 
-import csv
-import datetime as dt
-import gzip
-import io
 import json
 import sys
 from pathlib import Path
@@ -26,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ncu_decode import KEEP, STALLS, main  # noqa: E402
+from benchmarks.ncu_decode import main, read_launches, run_info  # noqa: E402
 
 DIM, HEADS, BITS, VECTORS = 128, 8, 4, 4 << 20
 # pipes' use (% of peak over the active cycles), issue slots, L1 traffic, instructions
@@ -63,28 +59,13 @@ def run() -> None:
 
 def summarise(path: str, out: str, run_from: str | None = None) -> None:
     """ncu's ``--csv --page details`` output (or its gzip) -> the kept metrics of each store launch."""
-    import torch
-    import triton
-
-    text = (gzip.open(path, "rt") if path.endswith(".gz") else open(path)).read()
-    text = text[text.index('"ID"'):]  # ncu prints its own lines before the table
-    launches: dict[str, dict] = {}
-    for r in csv.DictReader(io.StringIO(text)):
-        if "_store_mse_kernel" not in r["Kernel Name"]:
-            continue
-        m = launches.setdefault(r["ID"], {"kernel": r["Kernel Name"][:100]})
-        if r["Metric Name"] in KEEP + METRICS or r["Metric Name"].startswith(STALLS):
-            m[r["Metric Name"]] = f"{r['Metric Value']} {r['Metric Unit']}".strip()
+    launches = [m for m in read_launches(path, METRICS).values() if "_store_mse_kernel" in m["kernel"]]
     if len(launches) != 2:
         raise SystemExit(f"expected the two launches of one store (keys, values), found {len(launches)}")
-    run = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-           "triton": triton.__version__, "date": dt.date.today().isoformat()}
-    if run_from:
-        run = {k: json.loads(Path(run_from).read_text())[k] for k in run}
-    result = run | {"shape": f"{VECTORS >> 20}M vectors of dim {DIM} in {HEADS} heads, fp16, {BITS}-bit keys and values, "
-                             "Hadamard rotation", "ncu": "--clock-control none", "launches": list(launches.values())}
+    shape = f"{VECTORS >> 20}M vectors of dim {DIM} in {HEADS} heads, fp16, {BITS}-bit keys and values, Hadamard rotation"
+    result = run_info(run_from) | {"shape": shape, "ncu": "--clock-control none", "launches": launches}
     Path(out).write_text(json.dumps(result, indent=1) + "\n")
-    for m in launches.values():
+    for m in launches:
         print(json.dumps(m))
 
 
