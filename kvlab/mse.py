@@ -346,10 +346,7 @@ def _encode_rows(
     # HALF - 1 - m; pack: index k of a chunk (group) sits at bit BITS * k of the group's word
     HALF: tl.constexpr = 1 << (BITS - 1)
     ts_all = _thresholds(b_norm, mid_ptr, tie_ptr, HALF)  # [1, BR, 1] each: the zero boundary, then the positive ones
-    t_zero = ts_all[0]
-    ts = ()
-    for i in tl.static_range(1, HALF):
-        ts = ts + (ts_all[i],)
+    t_zero, ts = ts_all[0], ts_all[1:]
     # |c|^2 as in the reference, an fp64 sum of the (exact) squares of the picked centroids: the
     # table holds the fp64 sums of TUPLE consecutive ones (by their packed bits), one gather and
     # one add per TUPLE elements instead of a gather, a conversion and a multiply-add per element
