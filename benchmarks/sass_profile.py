@@ -132,7 +132,7 @@ def _record(out: str, only: set[str]) -> None:
             layout = kvlab.MSESlot(DIM, bits, bits)
             cache = torch.zeros(rows // HEADS // 16, 16, HEADS, layout.slot_bytes, dtype=torch.uint8)
             case("mse_store hadamard, K+V", bits, lambda: kvlab.store_mse(kv, kv, slots, cache, kc, vc, check=False),
-                 2 * kv.numel() * 2 + rows * layout.slot_bytes)
+                 2 * kv.numel() * 2 + rows * layout.slot_bytes, options=kvlab.mse._store_compiled_options(bits, 4, DIM))
             case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
                  rows * (layout.value_code_bytes + 2 * DIM))
             # persistent: the loop over tiles is counted, one tile of BLOCK_ROWS rows a step; compiled,

@@ -42,7 +42,9 @@ Tiling
     8 columns, so a thread holds its piece in registers: the butterflies, the norm and the
     2**(bits-1) thresholds of the row cost no data movement (two threads per row cost more
     instructions per byte than the registers of one, 178 at 4 bits: the per-row work is done twice
-    and the last stages cross lanes). The packed code goes out as 4-byte words through
+    and the last stages cross lanes). Compiled at its default launch, the 3- and 4-bit stores are
+    capped at 168 registers a thread (``STORE_MAXNREG``): three programs an SM instead of two, for a
+    few spilled values. The packed code goes out as 4-byte words through
     a coalesced store (a head and a tail of at most 3 bytes per row when the code is not 4-byte
     aligned; bytes when the cache's strides are not multiples of 4).
 
@@ -101,6 +103,10 @@ __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_
 MSE_BITS = (2, 3, 4)
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
 STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
+# at most 168 registers a thread for the 3- and 4-bit stores (else 173 and 178): 3 programs of 4 warps an SM
+# instead of 2, for a few spilled bytes; 1.08x (3 bits) and 1.04x (4 bits) faster on an H200
+# (results/codec_ab_store_maxnreg.json); the 2-bit store needs 166 and is slower capped
+STORE_MAXNREG = {3: 168, 4: 168}
 LOAD_TILE_ELEMENTS = 2048  # default BLOCK_ROWS * BLOCK_D of a load program (16 rows of 128)
 LOAD_NUM_WARPS = {2: 2, 3: 1, 4: 1}  # default warps of a load program, by bits
 # model-space load: rows per tile (a tensor-core tile of y R^T), warps, persistent programs per SM, one
@@ -1050,6 +1056,13 @@ def _model_lookup_tables(cache, codec, offset: int):
     return _prmt_tables(codec)
 
 
+def _store_compiled_options(bits: int, num_warps: int, dim: int, piece: int = STORE_PIECE) -> dict:
+    """Launch options of a compiled store: the register cap of ``STORE_MAXNREG`` where it was measured
+    (4 warps, a row of 65 to 128 columns in one thread's registers), else none."""
+    cap = STORE_MAXNREG.get(bits)
+    return {"maxnreg": cap} if cap and num_warps == 4 and _store_block_d(dim) == 128 and piece == 128 else {}
+
+
 def _model_options() -> dict:
     """Launch options of the model-space load (``maxnreg`` only when compiled)."""
     return {k: v for k, v in MODEL_OPTIONS.items() if k != "maxnreg" or not _interpreted()}
@@ -1288,6 +1301,7 @@ def store_mse(
                 CHECK=check,
                 num_warps=num_warps,
                 enable_fp_fusion=False,
+                **({} if _interpreted() else _store_compiled_options(codec.bits, num_warps, dim, piece)),
             )
     if check:
         finite = torch.isfinite(norms)

@@ -317,6 +317,17 @@ def test_store_pieces_do_not_change_bytes(case, piece, device):
     assert torch.equal(cache, ref)
 
 
+def test_store_register_cap_where_measured():
+    """Compiled, the 3- and 4-bit stores are capped at 168 registers a thread at their default launch
+    (4 warps, a row of 65-128 columns in one thread); the 2-bit store, other warps, longer rows and
+    pieces are not (results/codec_ab_store_maxnreg.json)."""
+    from kvlab.mse import _store_compiled_options as options
+
+    assert options(3, 4, 128) == options(4, 4, 128) == options(4, 4, 96) == {"maxnreg": 168}
+    assert options(2, 4, 128) == options(4, 1, 128) == options(4, 8, 128) == {}
+    assert options(4, 4, 256) == options(4, 4, 64) == options(3, 4, 128, piece=64) == {}
+
+
 @pytest.mark.parametrize("block_rows, num_warps", [(4, 1), (16, 2), (128, 4), (256, 8)])
 def test_tunables_do_not_change_results(block_rows, num_warps, device):
     key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[6], device)
