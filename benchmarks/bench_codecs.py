@@ -215,7 +215,7 @@ def main():
                 del cache
                 continue
             # baseline: one program per (token, head), same slot layout
-            cent = vc.centroids.to(DEV)
+            cent = vc.codebook.to(DEV)  # the centroid of each stored code
             base = one_program_per_vector.unpack_values_rotated(
                 cache, slots, cent, num_tokens=tokens, num_heads=HEADS, head_dim=DIM,
                 key_packed_size=layout.key_code_bytes, value_bits=bits)

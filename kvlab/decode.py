@@ -75,8 +75,8 @@ How, the split loop (one program: a sequence, a KV head, a range of keys; ``BLOC
       kept). The centroid lookup is a byte permute (``prmt``, inline PTX): the fp16 centroids are held
       as byte planes in registers (low bytes of the table in two registers, high bytes in two), one
       ``prmt`` looks up four 3-bit indices, two more interleave low and high bytes into fp16 pairs.
-      4-bit: the codebook is symmetric, so the 3-bit magnitude ``(i ^ ~sign) & 7`` indexes 8 fp16
-      magnitudes and a sign-replicating ``prmt`` restores the sign. 3-bit: three shift-and-mask steps
+      4-bit: the codebook is symmetric and the codes sign-magnitude (``kvlab.layout``), so a code's low
+      3 bits index 8 fp16 magnitudes and a sign-replicating ``prmt`` puts its top bit on the sign. 3-bit: three shift-and-mask steps
       spread eight 3-bit fields of a 24-bit group into nibbles. 2-bit: four centroids are one 8-byte
       table, so one ``prmt`` turns two indices into an fp16 pair (selector ``2 i * 0x11 + 0x10`` per
       index, one multiply-add for two indices). No per-element gather, shift or conversion, and no
@@ -118,7 +118,7 @@ from .affine import affine_code_bytes, pack_affine, unpack_affine
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .centered import load_centered_mse
 from .mse import (  # per-codec device tables (rebuilt when the codec's tensors change), SMs, the MSE lookups
-    _cached, _interpreter_runs_ptx, _load_words, _mse_tile_fast, _mse_words, _pairs_to_tile, _prmt_tables, _sm_count,
+    _cached, _centroids, _interpreter_runs_ptx, _load_words, _mse_tile_fast, _mse_words, _pairs_to_tile, _prmt_tables, _sm_count,
     load_mse, tile_order,
 )
 
@@ -1109,8 +1109,8 @@ def decode_attention(
             key_scale = _cached(centered, ("scale_rows", device, G), centered.scale,
                                 lambda t: t.to(device=device, dtype=torch.float32).repeat_interleave(G, 0).contiguous())
         q_in = _rotate_rows(q, rot_k, torch.float16, key_scale)
-        cent_k = _device_table(key_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
-        cent_v = _device_table(value_codec, "centroids", device, lambda c: c.to(torch.float32).contiguous())
+        cent_k = _centroids(key_codec, device)  # the codebooks: the centroid of each code
+        cent_v = _centroids(value_codec, device)
         assert layout.value_offset % 2 == 0, layout  # words of the value code: 4- or 2-byte aligned (_load_words)
         offsets = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
                        VALUE_NORM_OFFSET=layout.value_norm_offset, VALUE_ALIGN4=layout.value_offset % 4 == 0, GROUP=16)

@@ -11,10 +11,13 @@ Packed indices (``bits`` per element, element ``j`` of a vector):
 In general a ``bits``-wide field of element ``j`` starts at bit ``bits * j`` of a little-endian
 stream of ``ceil(bits * dim / 8)`` bytes; unused high bits of the last byte are zero.
 
-An MSE code of one vector is ``[indices | norm]``: the packed centroid indices, then the vector's
-scale as fp16, little-endian (2 bytes). The decoded vector is ``centroids[indices] * scale``; with
-norm correction (``MSECodec``'s default) the scale is the norm divided by the length of the centroid
-vector, ``|y| / |c[indices]|``, computed at encode time, so that decoders do no more than multiply
+An MSE code of one vector is ``[indices | norm]``: the packed centroid codes, then the vector's
+scale as fp16, little-endian (2 bytes). A centroid code is sign-magnitude: its top bit (bit
+``bits - 1``) is set for a negative centroid, its low ``bits - 1`` bits are the rank of the centroid's
+magnitude (0: the smallest); ``MSECodec.codebook[code]`` is its value (``reference.code_order``).
+The decoded vector is ``codebook[codes] * scale``; with norm correction (``MSECodec``'s default) the
+scale is the norm divided by the length of the centroid vector, ``|y| / |codebook[codes]|``,
+computed at encode time, so that decoders do no more than multiply
 (the fields are still called "norm" below and in the code).
 
 The paged cache is one uint8 tensor ``[num_blocks, block_size, num_heads, slot_bytes]``. Token ``i``
@@ -51,7 +54,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NORM_BYTES", "MSESlot", "packed_bytes"]
+import torch
+
+__all__ = ["NORM_BYTES", "MSESlot", "code_order", "packed_bytes"]
 
 NORM_BYTES = 2  # fp16
 
@@ -59,6 +64,22 @@ NORM_BYTES = 2  # fp16
 def packed_bytes(dim: int, bits: int) -> int:
     """Bytes holding ``dim`` packed ``bits``-wide indices."""
     return (dim * bits + 7) // 8
+
+
+def code_order(bits: int) -> torch.Tensor:
+    """int64 ``[2**bits]``: the index, in ascending order, of the centroid each MSE code stands for.
+
+    A code is sign-magnitude: with ``h = 2**(bits - 1)``, code ``m`` (``m < h``) is the positive
+    centroid of magnitude rank ``m`` (``c[h + m]``) and code ``h + m`` its mirror, the negative one
+    (``c[h - 1 - m]``). So ``centroids[code_order(bits)]`` is the table a code indexes
+    (``MSECodec.codebook``), and a decoder of the symmetric codebook takes the magnitude from the low
+    ``bits - 1`` bits and the sign from the top bit as they are.
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 3, 4):
+        raise ValueError(f"bits must be 2, 3 or 4, got {bits!r}")
+    h = 1 << (bits - 1)
+    m = torch.arange(h)
+    return torch.cat([h + m, h - 1 - m])
 
 
 @dataclass(frozen=True)

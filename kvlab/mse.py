@@ -4,11 +4,11 @@ What
     ``store_mse`` encodes keys and values of a batch and writes their codes into the cache slots of
     ``slot_mapping``: rotate, take the norm (fp64 accumulation, rounded to fp32), quantize each
     normalised coordinate with the codec's odd quantizer (its sign, then the number of positive
-    Lloyd-Max boundaries strictly below its magnitude; ``MSECodec.encode``), pack the indices,
-    append the fp16 scale: the norm, divided (with norm correction) by the length of the
-    picked centroid vector, an fp64 sum of the picked centroids' squares (gathered from a table of
-    fp64 sums of the squares of one or two consecutive centroids, ``_square_sums``). One launch for
-    the keys, one for the values. The rotation depends on the codec:
+    Lloyd-Max boundaries strictly below its magnitude; ``MSECodec.encode``), pack the
+    sign-magnitude codes (``kvlab.layout``), append the fp16 scale: the norm, divided (with norm
+    correction) by the length of the picked centroid vector, an fp64 sum of the picked centroids'
+    squares (gathered from a table of fp64 sums of the squares of the centroids of one or two
+    consecutive codes, ``_square_sums``). One launch for the keys, one for the values. The rotation depends on the codec:
 
     * Hadamard codecs (``codec.hadamard_signs`` set): FUSED. The kernel reads the fp16/bf16/fp32
       input rows and computes ``fwht(x * signs) * scale`` itself, with the reference's butterflies
@@ -96,7 +96,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .layout import NORM_BYTES, MSESlot, code_order, packed_bytes
 
 __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_rotated"]
 
@@ -347,9 +347,10 @@ def _encode_rows(
         b_sq = tl.fma(b_y64, b_y64, b_sq)
     b_norm = tl.sqrt(tl.sum(tl.sum(b_sq, axis=2), axis=0)).to(tl.float32)  # [BR]
 
-    # index (MSECodec.encode's odd quantizer), without dividing: the magnitude m = the number of
-    # positive boundaries strictly below |y| / norm, then HALF + m where y / norm > 0, else
-    # HALF - 1 - m; pack: index k of a chunk (group) sits at bit BITS * k of the group's word
+    # code (MSECodec.encode's odd quantizer), without dividing: the magnitude m = the number of
+    # positive boundaries strictly below |y| / norm, then m where y / norm > 0, else HALF + m (the
+    # sign-magnitude code of kvlab.layout); pack: code k of a chunk (group) sits at bit BITS * k of
+    # the group's word
     HALF: tl.constexpr = 1 << (BITS - 1)
     ts_all = _thresholds(b_norm, mid_ptr, tie_ptr, HALF)  # [1, BR, 1] each: the zero boundary, then the positive ones
     t_zero, ts = ts_all[0], ts_all[1:]
@@ -361,13 +362,12 @@ def _encode_rows(
     b_len = tl.zeros([H, BR], dtype=tl.float64)
     piece_words = ()
     for c in tl.static_range(CP):
-        # the magnitude m by a binary search of |y| (one compare at 2 bits), then the index
-        # m ^ (HALF if y > t_zero else HALF - 1): HALF + m, or HALF - 1 - m (m < HALF)
+        # the magnitude m by a binary search of |y| (one compare at 2 bits), then the sign bit
         if BITS == 2:
             b_m = (tl.abs(ys[c]) > ts[0]).to(tl.uint32)
         else:
             b_m = _bucketize(tl.abs(ys[c]), ts, 0, BITS - 1)  # [H, BR, 8] uint32
-        b_idx = b_m ^ tl.where(ys[c] > t_zero, HALF, HALF - 1).to(tl.uint32)
+        b_idx = b_m | tl.where(ys[c] > t_zero, 0, HALF).to(tl.uint32)
         if BITS == 2:  # the indices at their bits in the group word, which is then their sum
             b_idx = b_idx << o_shift
         if 8 * C != D:
@@ -490,25 +490,20 @@ def _store_mse_kernel(
 # ----------------------------------------------------------------------------- lookups (inline PTX)
 
 def lookup4_ptx(word: str, outs, pair_selectors=("0x5140", "0x7362"), tables=("$5", "$6", "$7", "$8")) -> str:
-    """PTX block of the 4-bit lookup: the eight 4-bit indices of the 32-bit register ``word`` -> four fp16
+    """PTX block of the 4-bit lookup: the eight 4-bit codes of the 32-bit register ``word`` -> four fp16
     pairs ``outs`` (register names), from the byte planes of the 8 codebook magnitudes in ``tables``
     (low bytes of entries 0-3, 4-7, high bytes 0-3, 4-7).
 
-    The magnitude ``(i ^ ~sign) & 7`` (codebook symmetric: ``c[i] = -c[15 - i]``) selects, by one
-    ``prmt`` per plane and four indices, the low and the high byte; a sign-replicating ``prmt`` of the
-    word (and the word shifted by 4) puts each index's top bit, the sign, on its high byte. The last
-    four ``prmt`` interleave low and high bytes into fp16 pairs: with ``pair_selectors`` ``0x5140`` /
-    ``0x7362`` output ``j`` holds indices ``2 j, 2 j + 1``; with ``0x6240`` / ``0x7351`` it holds
-    indices ``j'`` and ``j' + 2`` (``j' = j + 2 (j // 2)``)."""
+    A code is sign-magnitude (``kvlab.layout``): its low 3 bits, the magnitude, select by one ``prmt``
+    per plane and four codes the low and the high byte; a sign-replicating ``prmt`` of the word (and
+    the word shifted by 4) puts each code's top bit, the sign, on its high byte. The last four ``prmt``
+    interleave low and high bytes into fp16 pairs: with ``pair_selectors`` ``0x5140`` / ``0x7362``
+    output ``j`` holds codes ``2 j, 2 j + 1``; with ``0x6240`` / ``0x7351`` it holds codes ``j'`` and
+    ``j' + 2`` (``j' = j + 2 (j // 2)``)."""
     T, (s0, s1) = tables, pair_selectors
     return f"""{{
-.reg .b32 t, m, mh, s, sl, sh, l0, h0, l1, h1;
-shr.b32 t, {word}, 3;
-and.b32 t, t, 0x11111111;
-mul.lo.u32 t, t, 7;
-xor.b32 m, {word}, t;
-not.b32 m, m;
-and.b32 m, m, 0x77777777;
+.reg .b32 m, mh, s, sl, sh, l0, h0, l1, h1;
+and.b32 m, {word}, 0x77777777;
 shr.b32 mh, m, 16;
 prmt.b32 l0, {T[0]}, {T[1]}, m;
 prmt.b32 h0, {T[2]}, {T[3]}, m;
@@ -517,10 +512,8 @@ prmt.b32 h1, {T[2]}, {T[3]}, mh;
 shl.b32 s, {word}, 4;
 prmt.b32 sl, s, {word}, 0xD9C8;
 prmt.b32 sh, s, {word}, 0xFBEA;
-not.b32 sl, sl;
 and.b32 sl, sl, 0x80808080;
 or.b32 h0, h0, sl;
-not.b32 sh, sh;
 and.b32 sh, sh, 0x80808080;
 or.b32 h1, h1, sh;
 prmt.b32 {outs[0]}, l0, h0, {s0};
@@ -951,9 +944,15 @@ def _rotation_t16(codec, device, order: bool = False):
     return _cached(codec, ("rotation_t16", device, order), codec.rotation, build)
 
 
+def _codebook(centroids: torch.Tensor, bits: int) -> torch.Tensor:
+    """The centroid of each code (``centroids`` ascending; ``kvlab.layout.code_order``)."""
+    return centroids[code_order(bits).to(centroids.device)]
+
+
 def _centroids(codec, device):
+    """The codebook (the centroid of each code) as float32 on ``device``."""
     return _cached(codec, ("centroids", device), codec.centroids,
-                   lambda c: c.to(device=device, dtype=torch.float32).contiguous())
+                   lambda c: _codebook(c, codec.bits).to(device=device, dtype=torch.float32).contiguous())
 
 
 def _square_tuple(bits: int) -> int:
@@ -962,15 +961,15 @@ def _square_tuple(bits: int) -> int:
 
 
 def _square_sums(codec, device):
-    """The store's table for ``|c|^2`` (float64): sums of the squares of ``E = _square_tuple(bits)``
-    consecutive centroids, added in order in float64 (each square is exact).
+    """The store's table for ``|c|^2`` (float64): sums of the squares of the centroids of ``E =
+    _square_tuple(bits)`` consecutive codes, added in order in float64 (each square is exact).
 
-    Entry ``t < 2**(E bits)`` is the sum for the ``E`` indices that ``t`` packs (index ``i`` in bits
+    Entry ``t < 2**(E bits)`` is the sum for the ``E`` codes that ``t`` packs (code ``i`` in bits
     ``[bits i, bits i + bits)``); then, for tuples that are partly padding, the sums of the first
     ``r`` of them for ``r = 1 .. E - 1``, each section ``2**(r bits)`` entries long.
     """
     def build(centroids):
-        c = centroids.detach().to("cpu", torch.float64)
+        c = _codebook(centroids.detach().to("cpu", torch.float64), codec.bits)
         levels, bits = c.numel(), codec.bits
         sections = []
         for r in [_square_tuple(bits)] + list(range(1, _square_tuple(bits))):
@@ -1153,12 +1152,12 @@ def _byte_planes(c16: list[int]) -> tuple[int, int, int, int]:
 def _prmt_tables(codec):
     """The four int32 table registers of the fast lookup, or None when the fp16 codebook does not fit it."""
     def build(centroids):
-        c = centroids.detach().to("cpu", torch.float32).to(torch.float16)
+        c = _codebook(centroids.detach().to("cpu", torch.float32).to(torch.float16), codec.bits)
         bits16 = [int(v) & 0xFFFF for v in c.view(torch.int16)]
-        if codec.bits == 4:  # magnitudes c[8..15]; needs a symmetric codebook with positive upper half
-            if not (torch.equal(c, -c.flip(0)) and bool((c[8:] > 0).all())):
+        if codec.bits == 4:  # the magnitudes, codes 0-7; needs a symmetric codebook (codes 8-15: their negatives)
+            if not (torch.equal(c[8:], -c[:8]) and bool((c[:8] > 0).all())):
                 return None
-            return _byte_planes(bits16[8:])
+            return _byte_planes(bits16[:8])
         if codec.bits == 3:
             return _byte_planes(bits16)
         return (_signed32(bits16[0] | bits16[1] << 16), _signed32(bits16[2] | bits16[3] << 16), 0, 0)

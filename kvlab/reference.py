@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
-from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .layout import NORM_BYTES, MSESlot, code_order, packed_bytes
 from .lloyd_max import lloyd_max
 from .rotation import KINDS, fwht, hadamard_scale, hadamard_signs, rotation_matrix
 
@@ -92,13 +92,14 @@ class MSECodec:
     ``space="rotated"`` returns the vector in rotated coordinates (``y = x @ rotation``), which is
     what attention in rotated space consumes; ``"model"`` rotates it back.
 
-    Each normalised coordinate ``u = y / |y|`` (float32) gets the index of its nearest centroid by an
-    odd quantizer: with ``h = 2**(bits - 1)`` and ``m`` the number of positive boundaries strictly
-    below ``|u|``, the index is ``h + m`` where ``u > 0`` and ``h - 1 - m`` elsewhere (centroids and
+    Each normalised coordinate ``u = y / |y|`` (float32) gets its nearest centroid by an odd
+    quantizer: with ``h = 2**(bits - 1)`` and ``m`` the number of positive boundaries strictly below
+    ``|u|``, the centroid ``c[h + m]`` where ``u > 0`` and ``c[h - 1 - m]`` elsewhere (centroids and
     boundaries ascending and antisymmetric, the middle boundary 0). So ``-u`` gets the mirrored
     centroid of ``u``'s, and a coordinate exactly on a boundary goes to the centroid of smaller
     magnitude on either side (``torch.bucketize`` over all boundaries would send negative ones to
-    the larger: the only difference).
+    the larger: the only difference). The stored code is sign-magnitude (``code_order``): ``m``
+    where ``u > 0``, ``h + m`` elsewhere; ``codebook`` is the centroid of each code.
 
     ``rotation`` is always the dense float32 matrix (decoding uses it). With ``rotation="hadamard"``
     the encoder does not multiply by it but computes the same product as
@@ -106,9 +107,9 @@ class MSECodec:
     ``[dim]``; ``hadamard_scale``: ``1 / sqrt(dim)`` in float32), which is exactly reproducible;
     for Haar codecs ``hadamard_signs`` and ``hadamard_scale`` are ``None``.
 
-    The code ends in one fp16 scale ``s``, and decoding is ``y_hat = c[idx] * s``. With
-    ``norm_correction=True`` (the default) ``s = |y| / |c[idx]|``, so that the decoded vector has the
-    input's norm (up to fp16 rounding) and no decoder has to compute ``|c[idx]|``; without it
+    The code ends in one fp16 scale ``s``, and decoding is ``y_hat = codebook[code] * s``. With
+    ``norm_correction=True`` (the default) ``s = |y| / |codebook[code]|``, so that the decoded vector has the
+    input's norm (up to fp16 rounding) and no decoder has to compute ``|codebook[code]|``; without it
     ``s = |y|``.
     """
 
@@ -128,6 +129,7 @@ class MSECodec:
             self.hadamard_signs = hadamard_signs(dim, seed).to(torch.float32)
             self.hadamard_scale = hadamard_scale(dim)
         self.centroids = torch.tensor(self.quantizer.centroids, dtype=torch.float32)
+        self.codebook = self.centroids[code_order(bits)]  # the centroid of each stored code
         self.boundaries = torch.tensor(self.quantizer.boundaries, dtype=torch.float32)
         self.index_bytes = packed_bytes(dim, bits)
         self.nbytes = self.index_bytes + NORM_BYTES
@@ -150,15 +152,15 @@ class MSECodec:
         unit = y / torch.where(norm > 0, norm, 1.0).unsqueeze(-1)
         half = 1 << (self.bits - 1)  # odd quantizer: the magnitude, then the sign
         m = torch.bucketize(unit.abs(), self.boundaries[half:].to(x.device))  # positive boundaries < |unit|
-        idx = torch.where(unit > 0, half + m, half - 1 - m)
+        code = torch.where(unit > 0, m, half + m)  # sign-magnitude (code_order)
         scale = norm
         if self.norm_correction:  # |c|: fp64 sum of the (exact) squares, sqrt in fp64, rounded once to fp32
-            length = self.centroids.to(x.device)[idx].double().square().sum(-1).sqrt().float()
+            length = self.codebook.to(x.device)[code].double().square().sum(-1).sqrt().float()
             scale = norm / length  # fp32, correctly rounded; every centroid is nonzero, so length > 0
         if bool((scale > C.FP16_MAX).any()):
             raise ValueError(f"x has vectors with norm above {C.FP16_MAX:g} (after norm correction: norm / |c|); "
                              "it is stored in fp16")
-        return torch.cat([pack_indices(idx, self.bits), _fp16_bytes(scale)], -1)
+        return torch.cat([pack_indices(code, self.bits), _fp16_bytes(scale)], -1)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ rotation`` in float32, computed as the encoder does (exactly reproducible for Hadamard)."""
@@ -171,9 +173,9 @@ class MSECodec:
         """uint8 ``[..., nbytes]`` -> float32 ``[..., dim]``."""
         C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=self.nbytes)
         C.check_choice("space", space, ("model", "rotated"))
-        idx = unpack_indices(codes[..., : self.index_bytes], self.bits, self.dim)
+        code = unpack_indices(codes[..., : self.index_bytes], self.bits, self.dim)
         # the stored scale already holds the norm correction: decoding is centroid times scale
-        y = self.centroids.to(codes.device)[idx] * _fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
+        y = self.codebook.to(codes.device)[code] * _fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
         return y if space == "rotated" else y @ self.rotation.to(codes.device).T
 
 

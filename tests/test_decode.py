@@ -327,7 +327,7 @@ def test_mma_lookups_give_operand_pairs():
                                         (3, decode_mma.LOOKUP3_TWO_KEYS, decode_mma.LOOKUP3_FOUR_VALUES)):
         kc = mse_codecs(128, bits, bits, "haar")[0]
         tables = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc)]
-        c16 = kc.centroids.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+        c16 = kc.codebook.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
         mask = (1 << bits) - 1
         idx = [(words[i][None, :] >> (bits * np.arange(8)[:, None]).astype(np.uint32)) & mask for i in range(4)]  # [8, 64]
         outs = ptx.run(two_keys.value, "=r," * 8 + "r," * 5 + "r", [words[0], words[1], *tables])
@@ -341,7 +341,7 @@ def test_mma_lookups_give_operand_pairs():
     # 2 bit: a word holds 16 indices; lookup pair p of a word holds its coordinates p % 4 + 8 (p // 4) and 4 more
     kc2 = mse_codecs(128, 2, 2, "haar")[0]
     tables2 = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc2)[:2]]
-    c16 = kc2.centroids.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+    c16 = kc2.codebook.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
     idx = [(words[i][None, :] >> (2 * np.arange(16)[:, None]).astype(np.uint32)) & 3 for i in range(4)]  # [16, 64]
     outs = ptx.run(decode_mma.LOOKUP2_TWO_KEYS.value, "=r," * 16 + "r," * 3 + "r", [words[0], words[1], *tables2])
     for p in range(8):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kvlab
+from kvlab.layout import code_order
 from kvlab.mse import load_mse, store_mse, unpack_values_model_space, unpack_values_rotated
 from kvlab.rotation import fwht, hadamard, hadamard_signs
 
@@ -298,7 +299,8 @@ def test_store_ties_round_half_to_even(device):
     key, slots, cache = (t.to(device) for t in (key, slots, cache))
     ref = cache.clone()
     codes = kc.encode(key)
-    idx = kvlab.unpack_indices(codes[..., : kc.index_bytes], 3, dim).view(len(centers), dim)
+    # the centroid (ascending index) of each stored sign-magnitude code
+    idx = code_order(3)[kvlab.unpack_indices(codes[..., : kc.index_bytes], 3, dim).view(len(centers), dim).cpu()]
     assert idx[2, 1:8].tolist() == [2, 2, 2, 3, 3, 3, 3]  # -4.5s -> -4s, -4s, -3.5s -> -4s: past -3s; -3s on it: 3
     assert idx[4, 1:8].tolist() == [4, 4, 4, 4, 5, 5, 5]  # 1.5s -> 2s, 2s, 2.5s -> 2s, 3s (not above 3s), 3.5s -> 4s, ...
     assert idx[3, 4].item() == 3 and idx[3, 5].item() == 3 and idx[3, 8:10].tolist() == [3, 3]  # 0.5s -> 0, zeros: u > 0 fails

@@ -62,7 +62,7 @@ def test_mse_code_layout_and_norm():
     assert torch.equal(plain.encode(x)[..., :64], codes[..., :64])
     norms = _fp16_from_bytes(plain.encode(x)[..., 64:])
     assert torch.equal(norms, x.norm(dim=-1).half())
-    length = codec.centroids[kvlab.unpack_indices(codes[..., :64], 4, 128)].double().square().sum(-1).sqrt().float()
+    length = codec.codebook[kvlab.unpack_indices(codes[..., :64], 4, 128)].double().square().sum(-1).sqrt().float()
     assert torch.equal(_fp16_from_bytes(codes[..., 64:]), (x.norm(dim=-1) / length).half())
     # rotated and model space agree through the rotation; norm correction keeps the norm (fp16 rounding)
     rot = codec.decode(codes, space="rotated")
@@ -72,8 +72,8 @@ def test_mse_code_layout_and_norm():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_mse_quantizer_is_odd_and_nearest(bits):
-    """Each coordinate gets its nearest centroid, and -x the mirrored indices of x (no zero coordinates;
-    exact ties: test_mse_kernels.py::test_store_ties_round_half_to_even)."""
+    """Each coordinate gets its nearest centroid, and -x the mirrored centroids of x: the same codes with
+    the sign bit flipped (no zero coordinates; exact ties: test_mse_kernels.py::test_store_ties_round_half_to_even)."""
     torch.manual_seed(bits)
     dim = 64
     codec = kvlab.MSECodec(dim, bits, rotation="haar")
@@ -81,10 +81,11 @@ def test_mse_quantizer_is_odd_and_nearest(bits):
     x = torch.randn(500, dim)
     idx = kvlab.unpack_indices(codec.encode(x)[..., : codec.index_bytes], bits, dim)
     u = x / x.double().norm(dim=-1, keepdim=True).float()
-    dist = (u.unsqueeze(-1) - codec.centroids).abs()
+    dist = (u.unsqueeze(-1) - codec.codebook).abs()
     assert torch.equal(dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1), dist.min(-1).values)
+    assert torch.equal((codec.codebook[idx] > 0), u > 0)  # the top bit is the sign
     mirrored = kvlab.unpack_indices(codec.encode(-x)[..., : codec.index_bytes], bits, dim)
-    assert torch.equal(mirrored, (1 << bits) - 1 - idx)
+    assert torch.equal(mirrored, idx ^ (1 << (bits - 1)))
 
 
 def test_mse_norm_correction_keeps_norms_and_zero_vector():
