@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvlab
+from kvlab.layout import code_order
 from kvlab.reference import _fp16_bytes, _fp16_from_bytes
 
 
@@ -68,6 +69,24 @@ def test_mse_code_layout_and_norm():
     rot = codec.decode(codes, space="rotated")
     torch.testing.assert_close(codec.decode(codes), rot @ codec.rotation.T)
     torch.testing.assert_close(rot.norm(dim=-1), x.norm(dim=-1), rtol=2**-11, atol=0)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codes_are_sign_magnitude(bits):
+    """Code m (m < h = 2**(bits-1)) is the positive centroid of magnitude rank m, code h + m its negative."""
+    h = 1 << (bits - 1)
+    codec = kvlab.MSECodec(64, bits)
+    book = codec.codebook
+    assert torch.equal(book, codec.centroids[code_order(bits)])
+    assert bool((book[:h] > 0).all()) and bool((book[:h].diff() > 0).all()) and torch.equal(book[h:], -book[:h])
+    assert sorted(code_order(bits).tolist()) == list(range(2 * h))
+    assert code_order(2).tolist() == [2, 3, 1, 0]
+
+
+@pytest.mark.parametrize("bits", [1, 5, 8, True, 4.0, "4"])
+def test_code_order_rejects_bits(bits):
+    with pytest.raises(ValueError, match="bits must be 2, 3 or 4"):
+        code_order(bits)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
