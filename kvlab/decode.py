@@ -76,8 +76,8 @@ How, the split loop (one program: a sequence, a KV head, a range of keys; ``BLOC
       as byte planes in registers (low bytes of the table in two registers, high bytes in two), one
       ``prmt`` looks up four 3-bit indices, two more interleave low and high bytes into fp16 pairs.
       4-bit: the codebook is symmetric and the codes sign-magnitude (``kvlab.layout``), so a code's low
-      3 bits index 8 fp16 magnitudes and a sign-replicating ``prmt`` puts its top bit on the sign. 3-bit: three shift-and-mask steps
-      spread eight 3-bit fields of a 24-bit group into nibbles. 2-bit: four centroids are one 8-byte
+      3 bits index 8 fp16 magnitudes and a sign-replicating ``prmt`` puts its top bit on the sign.
+      3-bit: three shift-and-mask steps spread eight 3-bit fields of a 24-bit group into nibbles. 2-bit: four centroids are one 8-byte
       table, so one ``prmt`` turns two indices into an fp16 pair (selector ``2 i * 0x11 + 0x10`` per
       index, one multiply-add for two indices). No per-element gather, shift or conversion, and no
       per-key reduction: the norm correction is in the stored scale.

@@ -14,7 +14,7 @@ stream of ``ceil(bits * dim / 8)`` bytes; unused high bits of the last byte are 
 An MSE code of one vector is ``[indices | norm]``: the packed centroid codes, then the vector's
 scale as fp16, little-endian (2 bytes). A centroid code is sign-magnitude: its top bit (bit
 ``bits - 1``) is set for a negative centroid, its low ``bits - 1`` bits are the rank of the centroid's
-magnitude (0: the smallest); ``MSECodec.codebook[code]`` is its value (``reference.code_order``).
+magnitude (0: the smallest); ``MSECodec.codebook[code]`` is its value (``code_order`` below).
 The decoded vector is ``codebook[codes] * scale``; with norm correction (``MSECodec``'s default) the
 scale is the norm divided by the length of the centroid vector, ``|y| / |codebook[codes]|``,
 computed at encode time, so that decoders do no more than multiply

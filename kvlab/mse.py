@@ -8,7 +8,8 @@ What
     sign-magnitude codes (``kvlab.layout``), append the fp16 scale: the norm, divided (with norm
     correction) by the length of the picked centroid vector, an fp64 sum of the picked centroids'
     squares (gathered from a table of fp64 sums of the squares of the centroids of one or two
-    consecutive codes, ``_square_sums``). One launch for the keys, one for the values. The rotation depends on the codec:
+    consecutive codes, ``_square_sums``). One launch for the keys, one for the values. The rotation
+    depends on the codec:
 
     * Hadamard codecs (``codec.hadamard_signs`` set): FUSED. The kernel reads the fp16/bf16/fp32
       input rows and computes ``fwht(x * signs) * scale`` itself, with the reference's butterflies

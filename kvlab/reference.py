@@ -129,10 +129,14 @@ class MSECodec:
             self.hadamard_signs = hadamard_signs(dim, seed).to(torch.float32)
             self.hadamard_scale = hadamard_scale(dim)
         self.centroids = torch.tensor(self.quantizer.centroids, dtype=torch.float32)
-        self.codebook = self.centroids[code_order(bits)]  # the centroid of each stored code
         self.boundaries = torch.tensor(self.quantizer.boundaries, dtype=torch.float32)
         self.index_bytes = packed_bytes(dim, bits)
         self.nbytes = self.index_bytes + NORM_BYTES
+
+    @property
+    def codebook(self) -> torch.Tensor:
+        """float32 ``[2**bits]``: the centroid of each stored code (``kvlab.layout.code_order``)."""
+        return self.centroids[code_order(self.bits)]
 
     @property
     def bits_per_element(self) -> float:
