@@ -82,6 +82,8 @@ def _record(out: str, only: set[str]) -> None:
                 aligned += [i] if v % 16 == 0 else []
             elif isinstance(v, float):
                 sig[name] = "fp32"
+            elif type(v).__name__ == "TensorDescriptor":  # a host-built TMA descriptor (the model-space load's output)
+                sig[name] = f"tensordesc<{TORCH_TYPES[str(v.base.dtype)]}[{', '.join(map(str, v.block_shape))}]>"
             else:
                 raise TypeError(f"{self.fn.__name__}: argument {name} of type {type(v).__name__}")
         g = grid(bound) if callable(grid) else grid
@@ -229,7 +231,8 @@ def _sass(launch: dict) -> tuple[str, str]:
         sass = subprocess.run([_bin("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
-    return sass, usage
+    # Triton's shared memory is dynamic (set at launch), which the resource usage above does not count
+    return sass, usage + f" DYNAMIC_SHARED:{compiled.metadata.shared}"
 
 
 def _opcodes(lines: list[str]) -> collections.Counter:
@@ -266,7 +269,7 @@ def profile(launch: dict) -> dict:
     loop = launch["kernel"] in ("_decode_split_kernel", "decode_mma_kernel") or launch["constants"].get("MODEL")
     ops = _opcodes(_loop_body(sass) if loop else sass.splitlines())
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    shared = int(re.search(r"SHARED:(\d+)", usage).group(1))
+    shared = int(re.search(r"(?<!_)SHARED:(\d+)", usage).group(1)) + int(re.search(r"DYNAMIC_SHARED:(\d+)", usage).group(1))
     warps = launch["options"].get("num_warps", 4)
     instr = sum(ops.values())
     # occupancy: registers are allocated per warp in units of 256, shared memory per CTA (+1 KiB reserved)

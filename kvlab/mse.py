@@ -95,6 +95,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _checks as C
 from .layout import NORM_BYTES, MSESlot, code_order, packed_bytes
@@ -115,6 +116,8 @@ LOAD_NUM_WARPS = {2: 2, 3: 1, 4: 1}  # default warps of a load program, by bits
 # memory) and at most 128 registers a thread (4 programs an SM); the fastest on an H200
 MODEL_TILE_ROWS, MODEL_NUM_WARPS, MODEL_PROGRAMS_PER_SM = 64, 4, 4
 MODEL_OPTIONS = dict(num_stages=1, maxnreg=128)
+# model-space load: write each tile with a bulk (TMA) store from shared memory (Hopper and later)
+MODEL_OUT_DESC = True
 
 
 
@@ -784,6 +787,7 @@ def _load_mse_kernel(
     ALIGN4: tl.constexpr,  # FAST: every code starts 4-byte aligned (else 2 bytes past a word boundary)
     INTERPRETED_TILES: tl.constexpr,  # MODEL, interpreter only: cdiv(tiles, num_programs); 0 when compiled
     WORDS3: tl.constexpr,  # not MODEL, 3 bit: codes read as 32-bit words (D / 32 a power of two; ALIGN4 as for FAST)
+    OUT_DESC: tl.constexpr = False,  # MODEL: out_ptr is a tensor descriptor of out, tiles of [BLOCK_ROWS, D]
 ):
     i_p = tl.program_id(0)
     if MODEL:
@@ -804,25 +808,27 @@ def _load_mse_kernel(
                         cache_ptr, slot_ptr, b_rt, out_ptr, t0, t1, t2, t3, b_w0, b_w1, b_w2, b_s, i_p + i * num_programs,
                         num_programs, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head, D,
                         NUM_HEADS, BLOCK_SIZE, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, NORM_ALIGNED, ALIGN4,
-                        BF16_BY_BITS)
+                        BF16_BY_BITS, OUT_DESC)
             else:
                 for i_t in range(i_p, tl.cdiv(num_rows, BLOCK_ROWS), num_programs):
                     b_w0, b_w1, b_w2, b_s = _model_step_fast(
                         cache_ptr, slot_ptr, b_rt, out_ptr, t0, t1, t2, t3, b_w0, b_w1, b_w2, b_s, i_t,
                         num_programs, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head, D,
                         NUM_HEADS, BLOCK_SIZE, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, NORM_ALIGNED, ALIGN4,
-                        BF16_BY_BITS)
+                        BF16_BY_BITS, OUT_DESC)
         else:
             if INTERPRETED_TILES:
                 for i in range(0, INTERPRETED_TILES):
                     _model_step(cache_ptr, slot_ptr, cent_ptr, b_rt, out_ptr, i_p + i * num_programs, num_rows,
                                 num_slots, stride_slot, stride_block, stride_pos, stride_head, D, NUM_HEADS, BLOCK_SIZE,
-                                BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, UNIT, NORM_ALIGNED, BF16_BY_BITS)
+                                BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, UNIT, NORM_ALIGNED, BF16_BY_BITS,
+                                OUT_DESC)
             else:
                 for i_t in range(i_p, tl.cdiv(num_rows, BLOCK_ROWS), num_programs):
                     _model_step(cache_ptr, slot_ptr, cent_ptr, b_rt, out_ptr, i_t, num_rows,
                                 num_slots, stride_slot, stride_block, stride_pos, stride_head, D, NUM_HEADS, BLOCK_SIZE,
-                                BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, UNIT, NORM_ALIGNED, BF16_BY_BITS)
+                                BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, OFFSET, UNIT, NORM_ALIGNED, BF16_BY_BITS,
+                                OUT_DESC)
     else:
         o_r = i_p.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] int64 rows
         m_s, o_src = _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
@@ -855,14 +861,14 @@ def _model_step_fast(cache_ptr, slot_ptr, b_rt, out_ptr, t0, t1, t2, t3, b_w0, b
                      num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head, D: tl.constexpr,
                      NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
                      BITS: tl.constexpr, INDEX_BYTES: tl.constexpr, OFFSET: tl.constexpr, NORM_ALIGNED: tl.constexpr,
-                     ALIGN4: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                     ALIGN4: tl.constexpr, BF16_BY_BITS: tl.constexpr, OUT_DESC: tl.constexpr):
     """Tile ``i_t`` from its prefetched words and scales; returns those of tile ``i_t + num_programs``,
     read before this tile's arithmetic."""
     n_w0, n_w1, n_w2, n_s = _fetch_words(cache_ptr, slot_ptr, i_t + num_programs, num_rows, num_slots, stride_slot,
                                          stride_block, stride_pos, stride_head, D, NUM_HEADS, BLOCK_SIZE, BLOCK_ROWS,
                                          BITS, INDEX_BYTES, OFFSET, NORM_ALIGNED, ALIGN4)
     b_c = _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BLOCK_ROWS, D, BITS)  # [BR, D] fp16, tile order
-    _model_rows(out_ptr, b_c, b_rt, b_s, i_t, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
+    _model_rows(out_ptr, b_c, b_rt, b_s, i_t, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS, OUT_DESC)
     return n_w0, n_w1, n_w2, n_s
 
 
@@ -870,7 +876,8 @@ def _model_step_fast(cache_ptr, slot_ptr, b_rt, out_ptr, t0, t1, t2, t3, b_w0, b
 def _model_step(cache_ptr, slot_ptr, cent_ptr, b_rt, out_ptr, i_t, num_rows, num_slots, stride_slot, stride_block,
                 stride_pos, stride_head, D: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BITS: tl.constexpr, INDEX_BYTES: tl.constexpr,
-                OFFSET: tl.constexpr, UNIT: tl.constexpr, NORM_ALIGNED: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                OFFSET: tl.constexpr, UNIT: tl.constexpr, NORM_ALIGNED: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+                OUT_DESC: tl.constexpr):
     """Tile ``i_t``, index by index (``_centroid_rows``)."""
     o_r = i_t.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     m_s, o_src = _row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
@@ -878,31 +885,44 @@ def _model_step(cache_ptr, slot_ptr, cent_ptr, b_rt, out_ptr, i_t, num_rows, num
     b_c = _centroid_rows(cache_ptr, cent_ptr, o_src, m_s, D, BLOCK_ROWS, BLOCK_G, BITS, INDEX_BYTES, UNIT)
     b_s = _row_scale(cache_ptr, o_src, m_s, INDEX_BYTES, NORM_ALIGNED)
     _model_rows(out_ptr, tl.reshape(b_c, [BLOCK_ROWS, 8 * BLOCK_G]).to(tl.float16), b_rt, b_s, i_t, num_rows, D,
-                BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
+                BLOCK_ROWS, BLOCK_G, BF16_BY_BITS, OUT_DESC)
 
 
 @triton.jit
 def _model_rows(out_ptr, b_c, b_rt, b_s, i_t, num_rows, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                BLOCK_G: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                BLOCK_G: tl.constexpr, BF16_BY_BITS: tl.constexpr, OUT_DESC: tl.constexpr):
     """Tile ``i_t`` in model space: ``(c R^T) s``, the fp16 centroid tile ``c`` times ``R^T`` (``b_rt``)
-    on the tensor cores (fp32 accumulation), then each row times its fp32 scale ``s`` (rows not read: 0)."""
-    o_r = i_t.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    _store_rows(out_ptr, tl.dot(b_c, b_rt) * b_s[:, None], o_r, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
+    on the tensor cores (fp32 accumulation), then each row times its fp32 scale ``s`` (rows not read: 0).
+    ``OUT_DESC``: ``out_ptr`` is a tensor descriptor of ``out`` and the tile leaves through shared memory
+    in one bulk (TMA) store, the rows past ``num_rows`` clipped by the descriptor's shape."""
+    b_out = tl.dot(b_c, b_rt) * b_s[:, None]
+    if OUT_DESC:
+        out_ptr.store([(i_t * BLOCK_ROWS).to(tl.int32), 0], _out_values(b_out, out_ptr.dtype, BF16_BY_BITS))
+    else:
+        o_r = i_t.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        _store_rows(out_ptr, b_out, o_r, num_rows, D, BLOCK_ROWS, BLOCK_G, BF16_BY_BITS)
+
+
+@triton.jit
+def _out_values(b_out, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    """fp32 ``b_out`` in the output ``dtype``."""
+    if BF16_BY_BITS:
+        # round to nearest even by hand: Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU
+        # conversion already rounds to nearest even); finite values only
+        b_bits = b_out.to(tl.uint32, bitcast=True)
+        b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16
+        return b_bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return b_out.to(dtype)
 
 
 @triton.jit
 def _store_rows(out_ptr, b_out, o_r, num_rows, D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
                 BF16_BY_BITS: tl.constexpr):
     """Write ``b_out [BR, 8 BG]`` (fp32) to the rows ``o_r`` of ``out`` in its dtype: 16-byte vector stores."""
-    if BF16_BY_BITS:
-        # round to nearest even by hand: Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU
-        # conversion already rounds to nearest even); finite values only
-        b_bits = b_out.to(tl.uint32, bitcast=True)
-        b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16
-        b_out = b_bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     o_d = tl.arange(0, 8 * BLOCK_G)
     p_out = out_ptr + o_r[:, None] * D + o_d[None, :]
-    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=(o_r < num_rows)[:, None] & (o_d < D)[None, :])
+    tl.store(p_out, _out_values(b_out, out_ptr.dtype.element_ty, BF16_BY_BITS),
+             mask=(o_r < num_rows)[:, None] & (o_d < D)[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -1402,13 +1422,18 @@ def load_mse(
     words3 = not fused and codec.bits == 3 and dim in (32, 64, 128, 256) and phase is not None
     rt = _rotation_t16(codec, device, order=fast) if fused else cent  # cent: a placeholder, never read
     out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" or fused else torch.float32, device=device)
+    # fused: tiles leave by bulk stores through a tensor descriptor of out (rows counted in int32)
+    out_desc = (fused and MODEL_OUT_DESC and dim == 8 * _block_g(dim) and block_rows <= 256 and 0 < num_rows < 2**31
+                and (_interpreted() or torch.cuda.get_device_capability(device)[0] >= 9))
     if num_rows:
         tiles = triton.cdiv(num_rows, block_rows)
         # fused: persistent programs, a few per SM, each loading R^T once
         grid = (min(tiles, MODEL_PROGRAMS_PER_SM * _sm_count(device)) if fused else tiles,)
         with _on(device):
             _load_mse_kernel[grid](
-                cache, slot_mapping, cent, rt, out, *(tables if fast else (0, 0, 0, 0)),
+                cache, slot_mapping, cent, rt,
+                TensorDescriptor.from_tensor(out, [block_rows, dim]) if out_desc else out,
+                *(tables if fast else (0, 0, 0, 0)),
                 num_rows, num_blocks * block_size,
                 slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
                 grid[0],
@@ -1428,6 +1453,7 @@ def load_mse(
                 ALIGN4=(fast or words3) and phase == 0,
                 INTERPRETED_TILES=triton.cdiv(tiles, grid[0]) if fused and _interpreted() else 0,
                 WORDS3=words3,
+                OUT_DESC=out_desc,
                 num_warps=num_warps,
                 **(_model_options() if fused else {}),
             )

@@ -247,6 +247,32 @@ def test_model_space_load_loops_over_tiles(bits, fast, device):
         assert torch.equal(out[7], torch.zeros_like(out[7]))
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
+    """The model-space load writes its tiles by bulk stores through a tensor descriptor of the output
+    (``MODEL_OUT_DESC``): the same values as its 16-byte row stores, in every row, the last tile partial."""
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("bulk tensor stores need sm_90 or later")
+    dim, heads, block_size, block_rows = 128, 3, 16, 16
+    tokens = 5 * block_rows + 7  # 261 rows: 17 tiles, the last one 5 rows
+    kc, vc = codecs(dim, bits, bits, "hadamard")
+    layout = kvlab.MSESlot(dim, bits, bits)
+    g = torch.Generator().manual_seed(10 + bits)
+    key, value = (torch.randn(tokens, heads, dim, generator=g).half() for _ in range(2))
+    cache = torch.zeros(tokens // block_size + 2, block_size, heads, layout.slot_bytes, dtype=torch.uint8)
+    slots = torch.randperm(cache.shape[0] * block_size, generator=g)[:tokens]
+    slots[3] = -1
+    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
+    kvlab.write_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
+    for part, codec in (("key", kc), ("value", vc)):
+        outs = []
+        for bulk in (False, True):
+            monkeypatch.setattr(kvlab.mse, "MODEL_OUT_DESC", bulk)
+            outs.append(load_mse(cache, slots, codec, part=part, space="model", block_rows=block_rows))
+        assert not outs[1].isnan().any()
+        assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("case", CASES[1::3], ids=IDS[1::3])
 def test_load_exact_without_norm_correction(case, device):
     """Without renormalisation decoding is centroid * fp16 norm: no sum, so the result is exact."""
