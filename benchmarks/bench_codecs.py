@@ -9,7 +9,9 @@ times two baseline implementations (a one-program-per-vector MSE decode and a gl
 cache), and writes
 ``results/codec_kernels.csv`` plus ``results/codec_kernels.json`` (device, versions, date, tests).
 ``--only affine`` (or ``mse``) times one codec's kernels into ``codec_kernels_affine.csv`` / ``.json``;
-``--only mse_load`` times the MSE loads alone (slots written by the reference encoder, the same bytes);
+``--only mse_load`` times the MSE loads alone (slots written by the reference encoder, the same bytes),
+each also replayed from a CUDA graph (``graph_time_ms``: without the host's launch work, which a call
+of ~0.1 ms at 1M vectors does not always hide);
 ``--only mse_store`` the MSE store with the fused Hadamard rotation alone.
 
 Bytes counted per call are the bytes a kernel must move: its inputs read once plus its outputs
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,6 +53,14 @@ def bench(fn, reps=200):
         fn()
         return 1e3 * (time.perf_counter() - t0)
     return do_bench(fn, warmup=25, rep=reps, return_mode="median")
+
+
+def bench_graph(fn, reps=200):
+    """Median time of ``fn`` replayed from a CUDA graph: the kernel alone, without the host's launch
+    work between calls (which ``bench`` can catch when a call is short)."""
+    if DEV == "cpu":
+        return bench(fn)
+    return do_bench_cudagraph(fn, rep=reps, return_mode="median")
 
 
 # Launch configs tried with --sweep, per kernel (the first of each list is the default).
@@ -148,15 +158,18 @@ def main():
     partial.unlink(missing_ok=True)
     run = {k: meta[k] for k in ("device", "torch", "triton", "date", "copy_gbps")}  # every CSV row also names the run
 
-    def record(kernel, variant, bits, n, ms, nbytes, config=None):
+    def record(kernel, variant, bits, n, ms, nbytes, config=None, graph_ms=None):
         gbps = nbytes / ms / 1e6
         row = dict(kernel=kernel, variant=variant, bits=bits, n_vectors=n, dim=DIM, time_ms=ms,
                    bytes=nbytes, gbps=gbps, frac_copy=gbps / meta["copy_gbps"],
-                   config=" ".join(f"{k}={v}" for k, v in (config or {}).items()))
+                   config=" ".join(f"{k}={v}" for k, v in (config or {}).items()),
+                   # the same call replayed from a CUDA graph (MSE loads and copies of --only mse_load)
+                   graph_time_ms=graph_ms, graph_frac_copy=None if graph_ms is None else nbytes / graph_ms / 1e6 / meta["copy_gbps"])
         rows.append(row)
         write_csv(partial, rows, list(row), run)
         print(f"{kernel:22s} {variant:26s} b={bits!s:5s} n={n/1e6:5.1f}M {ms:8.3f} ms {gbps:7.0f} GB/s "
-              f"{100 * row['frac_copy']:5.1f} %", flush=True)
+              f"{100 * row['frac_copy']:5.1f} %" + (f"  graph {graph_ms:8.3f} ms {100 * row['graph_frac_copy']:5.1f} %" if graph_ms else ""),
+              flush=True)
 
     checks = {}
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -170,7 +183,8 @@ def main():
         v16 = torch.randn(tokens, HEADS, DIM, device=DEV, dtype=torch.float16)
         # the roofline at this size: a device copy of n fp16 vectors (the bytes most kernels here move)
         y16 = torch.empty_like(x16)
-        record("copy", "device copy of the fp16 vectors", "", n, bench(lambda: y16.copy_(x16)), 2 * n * DIM * 2)
+        record("copy", "device copy of the fp16 vectors", "", n, bench(lambda: y16.copy_(x16)), 2 * n * DIM * 2,
+               graph_ms=bench_graph(lambda: y16.copy_(x16)) if args.only == "mse_load" else None)
         del y16
 
         # ---- MSE store / load in the paged layout
@@ -207,9 +221,11 @@ def main():
                     checks[f"mse_load_{rot}_{space}_b{bits}_rel_err"] = rel_err(out[:4096], ref)
                 if rot == "hadamard" and space == "rotated":
                     continue  # the rotated-space load does not depend on the rotation: timed with Haar
-                ms, cfg = tuned(("mse_load", rot, space, bits),
-                                lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, **c))
-                record("mse_load", f"value, {space} space" + (", hadamard" if rot == "hadamard" else ""), bits, n, ms, n * layout.value_code_bytes + n * DIM * 2, cfg)
+                load = lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, **c)  # noqa: E731
+                ms, cfg = tuned(("mse_load", rot, space, bits), load)
+                record("mse_load", f"value, {space} space" + (", hadamard" if rot == "hadamard" else ""), bits, n, ms,
+                       n * layout.value_code_bytes + n * DIM * 2, cfg,
+                       graph_ms=bench_graph(lambda: load(**cfg)) if args.only == "mse_load" else None)
 
             if rot == "hadamard":  # the baseline reads the same slots whatever the rotation: timed with Haar
                 del cache
