@@ -666,10 +666,6 @@ def affine_code_bytes(dim: int, bits: int, group_size: int, axis: str = "token")
     return group_size * packed_bytes(dim, bits) + 4 * dim
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _check_codec(bits, group_size, axis) -> None:
     C.check_int("bits", bits, PACK_BITS)
     C.check_int("group_size", group_size, minimum=8)
@@ -752,16 +748,16 @@ def pack_affine(
         )
     x = x.contiguous()
     code_bytes = affine_code_bytes(dim, bits, group_size, axis)
-    block_gs = _pow2(group_size)
+    block_gs = C.next_power_of_2(group_size)
 
     if axis == "token":
         codes = torch.empty(*x.shape[:-1], code_bytes, dtype=torch.uint8, device=x.device)
         n_rows = x.numel() // dim if dim else 0
         if n_rows == 0:
             return codes
-        block_g = _pow2(dim // group_size)
+        block_g = C.next_power_of_2(dim // group_size)
         block_rows = _rows_per_tile(block_rows, block_g * block_gs, PACK_TILE)
-        grid = (triton.cdiv(n_rows, block_rows),)
+        grid = (C.cdiv(n_rows, block_rows),)
         flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
         affine_pack_token_kernel[grid](
             x, codes, flags,
@@ -778,9 +774,9 @@ def pack_affine(
         n_codes = x.numel() // (group_size * dim) if dim else 0
         if n_codes == 0:
             return codes
-        block_d = _pow2(dim)
+        block_d = C.next_power_of_2(dim)
         block_codes = _rows_per_tile(block_rows, block_gs * block_d, CHANNEL_PACK_TILE[bits])
-        grid = (triton.cdiv(n_codes, block_codes),)
+        grid = (C.cdiv(n_codes, block_codes),)
         flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
         affine_pack_channel_kernel[grid](
             x, codes, flags,
@@ -819,16 +815,16 @@ def unpack_affine(
     C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=code_bytes)
     C.check_kernel_device("codes", codes)
     codes = codes.contiguous()
-    block_gs = _pow2(group_size)
+    block_gs = C.next_power_of_2(group_size)
 
     if axis == "token":
         out = torch.empty(*codes.shape[:-1], dim, dtype=out_dtype, device=codes.device)
         n_rows = codes.numel() // code_bytes
         if n_rows == 0:
             return out
-        block_g = _pow2(dim // group_size)
+        block_g = C.next_power_of_2(dim // group_size)
         block_rows = _rows_per_tile(block_rows, block_g * block_gs)
-        affine_unpack_token_kernel[(triton.cdiv(n_rows, block_rows),)](
+        affine_unpack_token_kernel[(C.cdiv(n_rows, block_rows),)](
             codes, out,
             n_rows, code_bytes, dim,
             BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
@@ -842,9 +838,9 @@ def unpack_affine(
     n_codes = codes.numel() // code_bytes
     if n_codes == 0:
         return out
-    block_d = _pow2(dim)
+    block_d = C.next_power_of_2(dim)
     block_codes = _rows_per_tile(block_rows, block_gs * block_d, CHANNEL_UNPACK_TILE)
-    affine_unpack_channel_kernel[(triton.cdiv(n_codes, block_codes),)](
+    affine_unpack_channel_kernel[(C.cdiv(n_codes, block_codes),)](
         codes, out,
         n_codes,
         BITS=bits, GROUP_SIZE=group_size, DIM=dim,
@@ -961,9 +957,9 @@ def pack_affine_mixed(
     if n_tokens == 0:
         return codes
     head_bits, head_offsets = layout.tables(x.device)
-    block_gs, block_g = _pow2(layout.group_size), _pow2(layout.dim // layout.group_size)
+    block_gs, block_g = C.next_power_of_2(layout.group_size), C.next_power_of_2(layout.dim // layout.group_size)
     block_rows = _rows_per_tile(block_rows, block_g * block_gs, PACK_TILE)
-    n_programs = triton.cdiv(n_tokens, block_rows) * layout.num_heads
+    n_programs = C.cdiv(n_tokens, block_rows) * layout.num_heads
     flags = torch.empty(n_programs if check else 1, dtype=torch.int32, device=x.device)
     affine_pack_mixed_kernel[(n_programs,)](
         x3, codes, head_bits, head_offsets, flags,
@@ -997,9 +993,9 @@ def unpack_affine_mixed(
     if n_tokens == 0:
         return out
     head_bits, head_offsets = layout.tables(codes.device)
-    block_gs, block_g = _pow2(layout.group_size), _pow2(layout.dim // layout.group_size)
+    block_gs, block_g = C.next_power_of_2(layout.group_size), C.next_power_of_2(layout.dim // layout.group_size)
     block_rows = _rows_per_tile(block_rows, block_g * block_gs)
-    n_programs = triton.cdiv(n_tokens, block_rows) * layout.num_heads
+    n_programs = C.cdiv(n_tokens, block_rows) * layout.num_heads
     affine_unpack_mixed_kernel[(n_programs,)](
         codes, out, head_bits, head_offsets,
         n_tokens, layout.num_heads, layout.bytes_per_token, layout.num_heads * layout.dim, layout.dim,

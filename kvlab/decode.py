@@ -767,7 +767,7 @@ def _rotate_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: to
     if rows:
         block_c = min(32, dim)
         with _on_device(x.device):
-            _rotate_rows_kernel[(_cdiv(rows, 16), dim // block_c)](
+            _rotate_rows_kernel[(C.cdiv(rows, 16), dim // block_c)](
                 x, w if scale is None else scale, w, out, rows, S_ROWS=1 if scale is None else scale.shape[0], D=dim,
                 HAS_SCALE=scale is not None, BLOCK_R=16, BLOCK_C=block_c, num_warps=4,
             )  # fmt: skip
@@ -780,16 +780,6 @@ def _to_model_space(output: torch.Tensor, value_codec, dtype: torch.dtype = torc
     return _rotate_rows(output, rot_t, dtype)
 
 
-# Host-side integer helpers: decode runs once per generated token, so the launcher's own cost counts
-# (``triton.cdiv`` and ``triton.next_power_of_2`` are JIT functions, slow to call from Python).
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _rope_table(key_codec, length: int, offset: int, device) -> torch.Tensor:
     """fp32 ``[length, dim]``: ``[cos | sin]`` of positions ``offset ..`` at the RoPE frequencies (one half each).
 
@@ -800,7 +790,7 @@ def _rope_table(key_codec, length: int, offset: int, device) -> torch.Tensor:
         half = key_codec.dim // 2
         return torch.cat([cos[:, :half], sin[:, :half]], 1).to(device=device, dtype=torch.float32).contiguous()
 
-    n = max(256, _next_power_of_2(length))
+    n = max(256, C.next_power_of_2(length))
     return _cached(key_codec, ("rope_table", device, offset, n), key_codec.mean, lambda m: build(m, n))[:length]
 
 
@@ -858,8 +848,8 @@ def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
 def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
     """The split loop's default: about ``PROGRAMS_PER_SM`` programs an SM, each split at least
     ``MIN_SPLIT_TOKENS`` (and ``block_n``) keys."""
-    want = _cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
-    return max(1, min(want, _cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
+    want = C.cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
+    return max(1, min(want, C.cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
 
 
 def _on_device(device: torch.device):
@@ -879,10 +869,10 @@ def _merge(o_part, ml_part, order, out) -> None:
     """Launch ``_merge_splits_kernel``: ``out`` (natural coordinate order) from the splits of ``o_part``."""
     batch, num_q_heads, num_splits, dim = o_part.shape
     # on a GPU, 32 tile positions a program (more programs in flight); the interpreter, whole rows (fewer programs)
-    block_d, block_s = (dim if out.device.type == "cpu" else min(32, dim)), min(64, max(2, _next_power_of_2(num_splits)))
+    block_d, block_s = (dim if out.device.type == "cpu" else min(32, dim)), min(64, max(2, C.next_power_of_2(num_splits)))
     _merge_splits_kernel[(batch * num_q_heads, dim // block_d)](
         o_part, ml_part, order, out, num_splits, D=dim, BLOCK_D=block_d, BLOCK_S=block_s,
-        STEPS=_cdiv(num_splits, block_s), num_warps=2,
+        STEPS=C.cdiv(num_splits, block_s), num_warps=2,
     )  # fmt: skip
 
 
@@ -943,12 +933,12 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
     q_in = _rotate_rows(q, rot_k, torch.float16)
     if num_splits is None:
         num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
-    split_len = _cdiv(_cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
-    num_splits = _cdiv(capacity, split_len)
+    split_len = C.cdiv(C.cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
+    num_splits = C.cdiv(capacity, split_len)
     o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
     if batch == 0:
         return out.to(q.dtype)
-    group_rows = max(8, _next_power_of_2(num_q_heads // num_kv_heads))
+    group_rows = max(8, C.next_power_of_2(num_q_heads // num_kv_heads))
     max_registers = decode_mma.num_registers(group_rows)
     extra = {} if max_registers is None else dict(maxnreg=max_registers)
     with _on_device(device):
@@ -1088,8 +1078,8 @@ def decode_attention(
 
     device = q.device
     G = num_q_heads // num_kv_heads
-    split_len = _cdiv(_cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = _cdiv(capacity, split_len)  # no empty trailing splits
+    split_len = C.cdiv(C.cdiv(capacity, num_splits), block_n) * block_n
+    num_splits = C.cdiv(capacity, split_len)  # no empty trailing splits
     tables_k = tables_v = (0, 0, 0, 0)
     q_scale = scale * LOG2E  # base-2 exponentials: log2(e) rides on the softmax scale
     if kind == "mse":
@@ -1148,7 +1138,7 @@ def decode_attention(
             0 if bias is None else bias.stride(1),
             HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=block_size, D=dim, AFFINE=kind == "affine",
             BITS_K=key_codec.bits, BITS_V=value_codec.bits, **offsets,
-            BLOCK_G=max(16, _next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
+            BLOCK_G=max(16, C.next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
             PREFETCH=prefetch,
             KEYS_AS_ROWS=keys_as_rows,
             INTERPRETED=interpreted,

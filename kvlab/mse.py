@@ -1109,7 +1109,7 @@ def _store_head(cache, offset: int, code_bytes: int) -> int:
 
 
 def _store_block_d(dim: int) -> int:
-    return max(16, triton.next_power_of_2(dim))
+    return max(16, C.next_power_of_2(dim))
 
 
 def _check_codec(name: str, codec) -> None:
@@ -1142,7 +1142,7 @@ def _check_tiling(block_rows, num_warps) -> None:
 
 
 def _block_g(dim: int) -> int:
-    return triton.next_power_of_2(triton.cdiv(dim, GROUP))
+    return C.next_power_of_2(C.cdiv(dim, GROUP))
 
 
 def _default_block_rows(dim: int) -> int:
@@ -1295,7 +1295,7 @@ def store_mse(
     # check: every written row's norm (rows not written stay 0); else a placeholder, never accessed
     norms = torch.zeros(2, num_rows if check else 1, dtype=torch.float32, device=device)
     block_d = _store_block_d(dim)
-    grid = (triton.cdiv(num_rows, block_rows),)
+    grid = (C.cdiv(num_rows, block_rows),)
     with _on(device):
         for p, codec, offset, index_bytes, part_norms in (
             (parts[0], key_codec, 0, layout.key_bytes, norms[0]),
@@ -1426,7 +1426,7 @@ def load_mse(
     out_desc = (fused and MODEL_OUT_DESC and dim == 8 * _block_g(dim) and block_rows <= 256 and 0 < num_rows < 2**31
                 and (_interpreted() or torch.cuda.get_device_capability(device)[0] >= 9))
     if num_rows:
-        tiles = triton.cdiv(num_rows, block_rows)
+        tiles = C.cdiv(num_rows, block_rows)
         # fused: persistent programs, a few per SM, each loading R^T once
         grid = (min(tiles, MODEL_PROGRAMS_PER_SM * _sm_count(device)) if fused else tiles,)
         with _on(device):
@@ -1451,7 +1451,7 @@ def load_mse(
                 MODEL=fused,
                 FAST=fast,
                 ALIGN4=(fast or words3) and phase == 0,
-                INTERPRETED_TILES=triton.cdiv(tiles, grid[0]) if fused and _interpreted() else 0,
+                INTERPRETED_TILES=C.cdiv(tiles, grid[0]) if fused and _interpreted() else 0,
                 WORDS3=words3,
                 OUT_DESC=out_desc,
                 num_warps=num_warps,
