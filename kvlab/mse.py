@@ -32,8 +32,9 @@ What
     rotated space consumes). ``space="model"`` rotates back by ``R.T``: for fp16/bf16 outputs (dims up
     to 128) inside the kernel, as ``(c R^T) s``: the fp16 centroid tile ``c`` times an fp16 ``R^T`` on
     the tensor cores (fp32 accumulation), then each row times its scale ``s`` in fp32 (the error is of
-    the order of the output's rounding); for fp32 outputs the kernel writes the rotated rows and one
-    batched fp32 GEMM follows (the reference's product).
+    the order of the output's rounding), each tile then written by one bulk (TMA) store from shared
+    memory through a tensor descriptor of the output (sm_90 and later, dims of 16 to 128); for fp32
+    outputs the kernel writes the rotated rows and one batched fp32 GEMM follows (the reference's product).
 
 Tiling
     Store: one row per thread (``block_rows = 32 * num_warps`` by default); rows longer than
