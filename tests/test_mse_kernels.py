@@ -431,6 +431,10 @@ def test_addresses_beyond_int32(device):
     assert torch.equal(written, torch.cat([kc.encode(key), vc.encode(value)], -1)[keep])
     out = load_mse(cache, slots, vc, part="value", space="rotated", out_dtype=torch.float32)
     assert rel_err(out[keep], vc.decode(vc.encode(value), "rotated")[keep]) <= 1e-5
+    # the model-space load (persistent, its product and bulk stores in the kernel) at the same addresses
+    exact = vc.decode(vc.encode(value), "model")[keep]
+    out = load_mse(cache, slots, vc, part="value", space="model")
+    assert rel_err(out[keep], exact) <= 3 * rel_err(exact.half(), exact) + 1e-6
 
 
 def test_padding_rows_are_not_checked_or_written(device):
