@@ -65,3 +65,10 @@ def test_ncu_store_summary_reads_the_committed_run(tmp_path):
     subprocess.run([sys.executable, "benchmarks/ncu_store.py", "--summarise", "results/codec_store_ncu.csv.gz", "--out", str(out),
                     "--run-from", "results/codec_store_ncu.json"], cwd=ROOT, check=True, capture_output=True, timeout=300)
     assert json.loads(out.read_text()) == json.loads((ROOT / "results" / "codec_store_ncu.json").read_text())
+
+
+def test_ncu_load_summary_reads_the_committed_run(tmp_path):
+    out = tmp_path / "ncu.json"
+    subprocess.run([sys.executable, "benchmarks/ncu_load.py", "--summarise", "results/codec_load_ncu.csv.gz", "--out", str(out),
+                    "--run-from", "results/codec_load_ncu.json"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert json.loads(out.read_text()) == json.loads((ROOT / "results" / "codec_load_ncu.json").read_text())
