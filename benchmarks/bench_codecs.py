@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
-from benchmarks.common import run_tests, write_csv, write_reference_slots  # noqa: E402
+from benchmarks.common import bench_graph, run_tests, write_csv, write_reference_slots  # noqa: E402
 from benchmarks.baselines import global_scale_affine, one_program_per_vector  # noqa: E402
 
 DIM = 128
@@ -55,12 +55,10 @@ def bench(fn, reps=200):
     return do_bench(fn, warmup=25, rep=reps, return_mode="median")
 
 
-def bench_graph(fn, reps=200):
-    """Median time of ``fn`` replayed from a CUDA graph: the kernel alone, without the host's launch
-    work between calls (which ``bench`` can catch when a call is short)."""
-    if DEV == "cpu":
-        return bench(fn)
-    return do_bench_cudagraph(fn, rep=reps, return_mode="median")
+def bench_replayed(fn, reps=200):
+    """Median time of ``fn`` replayed from a CUDA graph (``common.bench_graph``): the kernel alone, without
+    the host's launch work between calls (which ``bench`` can catch when a call is short)."""
+    return bench(fn) if DEV == "cpu" else bench_graph(fn, rep=reps)
 
 
 # Launch configs tried with --sweep, per kernel (the first of each list is the default).
@@ -226,7 +224,7 @@ def main():
                 ms, cfg = tuned(("mse_load", rot, space, bits), load)
                 record("mse_load", f"value, {space} space" + (", hadamard" if rot == "hadamard" else ""), bits, n, ms,
                        n * layout.value_code_bytes + n * DIM * 2, cfg,
-                       graph_ms=bench_graph(lambda: load(**cfg)) if args.only == "mse_load" else None)
+                       graph_ms=bench_replayed(lambda: load(**cfg)) if args.only == "mse_load" else None)
 
             if rot == "hadamard":  # the baseline reads the same slots whatever the rotation: timed with Haar
                 del cache

@@ -44,13 +44,13 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvlab  # noqa: E402
-from benchmarks.common import run_tests, write_csv  # noqa: E402
+from benchmarks.common import bench_graph, run_tests, write_csv  # noqa: E402
 from kvlab import reference as ref  # noqa: E402
 from kvlab.decode import AffineSlot, decode_attention  # noqa: E402
 
@@ -89,20 +89,6 @@ SWEEP = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages
 
 def bench(fn, rep=60):
     return do_bench(fn, warmup=10, rep=rep, return_mode="median")
-
-
-def bench_graph(fn, rep=60):
-    """Median time of ``fn`` replayed from a CUDA graph (None where it cannot be captured).
-
-    ``do_bench_cudagraph`` runs ``fn`` on a stream of its own, which does not wait for the default stream:
-    the inputs just made there (random codes, a shuffled block table) must be complete before it reads
-    them, or its first call may read a block table still being written."""
-    torch.cuda.synchronize()
-    try:
-        return do_bench_cudagraph(fn, rep=rep, return_mode="median")
-    except Exception as e:  # noqa: BLE001 - recorded as missing, with the reason printed
-        print(f"  CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return None
 
 
 def host_ms(fn, calls=50):

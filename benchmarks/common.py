@@ -1,5 +1,5 @@
-"""What the GPU benchmarks share: running the test suite on the device they measure, writing result CSVs, filling
-a cache with the reference encoder's codes."""
+"""What the GPU benchmarks share: running the test suite on the device they measure, timing a call replayed from a
+CUDA graph, writing result CSVs, filling a cache with the reference encoder's codes."""
 
 from __future__ import annotations
 
@@ -27,6 +27,24 @@ def run_tests(paths: list[str], log: str | None = None) -> dict:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
                           cwd=ROOT, capture_output=True, text=True)
     return _summarise(proc.stdout + proc.stderr, proc.returncode)
+
+
+def bench_graph(fn, rep: int = 60):
+    """Median time (ms) of ``fn`` replayed from a CUDA graph (None where it cannot be captured): the kernels
+    alone, without the host's launch work between calls.
+
+    ``do_bench_cudagraph`` runs ``fn`` on a stream of its own, which does not wait for the default stream:
+    the inputs just made there (random codes, a shuffled block table) must be complete before it reads
+    them, or its first call may read a block table still being written."""
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    torch.cuda.synchronize()
+    try:
+        return do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - recorded as missing, with the reason printed
+        print(f"  CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
 
 
 def _summarise(text: str, returncode: int | None) -> dict:

@@ -202,8 +202,9 @@ def _bin(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def _sass(launch: dict) -> tuple[str, str]:
-    """Compile one recorded launch for sm_90 (with the real, not interpreted, kernel): SASS and resource usage."""
+def _sass(launch: dict) -> tuple[str, str, int]:
+    """Compile one recorded launch for sm_90 (with the real, not interpreted, kernel): SASS, resource usage and
+    the dynamic shared memory a program is launched with (Triton's, which the resource usage does not count)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -231,8 +232,7 @@ def _sass(launch: dict) -> tuple[str, str]:
         sass = subprocess.run([_bin("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
-    # Triton's shared memory is dynamic (set at launch), which the resource usage above does not count
-    return sass, usage + f" DYNAMIC_SHARED:{compiled.metadata.shared}"
+    return sass, usage, compiled.metadata.shared
 
 
 def _opcodes(lines: list[str]) -> collections.Counter:
@@ -265,11 +265,11 @@ def _access_bytes(op: str) -> int:
 
 
 def profile(launch: dict) -> dict:
-    sass, usage = _sass(launch)
+    sass, usage, dynamic_shared = _sass(launch)
     loop = launch["kernel"] in ("_decode_split_kernel", "decode_mma_kernel") or launch["constants"].get("MODEL")
     ops = _opcodes(_loop_body(sass) if loop else sass.splitlines())
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    shared = int(re.search(r"(?<!_)SHARED:(\d+)", usage).group(1)) + int(re.search(r"DYNAMIC_SHARED:(\d+)", usage).group(1))
+    shared = int(re.search(r"SHARED:(\d+)", usage).group(1)) + dynamic_shared
     warps = launch["options"].get("num_warps", 4)
     instr = sum(ops.values())
     # occupancy: registers are allocated per warp in units of 256, shared memory per CTA (+1 KiB reserved)

@@ -10,6 +10,7 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP16_MAX = 65504.0
 
 
 # Host-side integer helpers: a launcher's own cost counts when a call lasts ~0.1 ms (``triton.cdiv`` and
@@ -20,7 +21,6 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-FP16_MAX = 65504.0
 
 
 def check_int(name: str, value, allowed=None, minimum=None) -> int:
