@@ -10,7 +10,8 @@ for sm_90 with Triton's own ``ptxas`` and disassembled with ``nvdisasm`` (both s
 wheel), and the SASS is counted.
 
 Per kernel: registers per thread, shared memory per program, SASS instructions per program (a static
-count; the codec kernels have no loops, the decode kernel's split loop is counted once per step),
+count; the codec kernels have no loops but the persistent model-space load's, counted once per tile, and
+the decode kernels' split loops are counted once per step),
 global loads and stores by width, the bytes the program must move (what ``bench_codecs.py`` and
 ``bench_decode.py`` count, divided by the programs of the launch), and the issue ceiling: the
 bandwidth at which the SMs would issue one warp instruction every clock (4 per SM, 132 SMs, 1.98 GHz).
@@ -126,6 +127,8 @@ def _record(out: str, only: set[str]) -> None:
                 case(f"affine_unpack {axis}", bits, lambda: kvlab.unpack_affine(codes, bits, 32, axis, DIM),
                      codes.numel() + x.numel() * 2)
     if "mse" in only:
+        from kvlab import mse_mma
+
         kv = x.view(rows // HEADS, HEADS, DIM)
         slots = torch.arange(rows // HEADS)
         for bits in (2, 3, 4):
@@ -137,12 +140,20 @@ def _record(out: str, only: set[str]) -> None:
                  2 * kv.numel() * 2 + rows * layout.slot_bytes, options=kvlab.mse._store_compiled_options(bits, 4, DIM))
             case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
                  rows * (layout.value_code_bytes + 2 * DIM))
-            # persistent: the loop over tiles is counted, one tile of BLOCK_ROWS rows a step; compiled,
-            # the centroids are prmt lookups (the interpreter gathers them)
-            case("mse_load value, model space", bits,
-                 lambda: kvlab.load_mse(cache, slots, vc, part="value", space="model", check=False),
-                 per_program=lambda r: r["constants"]["BLOCK_ROWS"] * (layout.value_code_bytes + 2 * DIM),
-                 compiled={"FAST": True}, options=kvlab.mse.MODEL_OPTIONS)
+            # model space, compiled for sm_90: the Gluon kernel of kvlab.mse_mma (the interpreter cannot run it, so
+            # the launch that load_mse makes on an H200 is written here); persistent, one tile of TILE_ROWS rows a
+            # loop step, counted
+            offset, index_bytes = kvlab.mse._part_layout(vc, "value", layout.slot_bytes)
+            align4 = kvlab.mse._word_phase(cache, offset) == 0
+            constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, OFFSET=offset, INDEX_BYTES=index_bytes,
+                             ALIGN4=align4, WORDS=None, ACC=None, A=None, OUT=None, SLOTS_AHEAD=mse_mma.SLOTS_AHEAD[align4])
+            runtime = dict(cache_ptr="*u8", slot_ptr="*i64", b_ptr="*fp16", out_ptr="*fp16") | {
+                name: "i32" for name in mse_mma._RUNTIME[4:]}
+            # b and out are 16-byte aligned (the launcher allocates them), the cache and the slots are not specialised on
+            launches.append(dict(module="kvlab.mse_mma", kernel="model_load_kernel", case="mse_load value, model space",
+                                 bits=bits, signature=runtime | {k: "constexpr" for k in constants}, constants=constants,
+                                 aligned=[2, 3], options=dict(num_warps=mse_mma.WARPS, maxnreg=mse_mma.MAXNREG), programs=1,
+                                 bytes=mse_mma.TILE_ROWS * (layout.value_code_bytes + 2 * DIM)))
     if "decode" in only:
         from kvlab.decode import decode_attention
 
@@ -224,6 +235,8 @@ def _sass(launch: dict) -> tuple[str, str, int]:
         width = dict(KEY_WORDS="BITS_K", VALUE_WORDS="BITS_V")  # a layout of the words of the key or the value codes
         const = {k: getattr(module, v)(const["D"], const[width[k]]) if isinstance(v, str) and v.endswith("_layout") else v
                  for k, v in const.items()}
+        if hasattr(module, "layout_constants"):  # kvlab.mse_mma: its layouts follow from D and BITS
+            const.update(module.layout_constants(const["D"], const["BITS"]))
     compiled = triton.compile(ASTSource(fn, launch["signature"], const, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,7 +279,7 @@ def _access_bytes(op: str) -> int:
 
 def profile(launch: dict) -> dict:
     sass, usage, dynamic_shared = _sass(launch)
-    loop = launch["kernel"] in ("_decode_split_kernel", "decode_mma_kernel") or launch["constants"].get("MODEL")
+    loop = launch["kernel"] in ("_decode_split_kernel", "decode_mma_kernel", "model_load_kernel")
     ops = _opcodes(_loop_body(sass) if loop else sass.splitlines())
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(re.search(r"SHARED:(\d+)", usage).group(1)) + dynamic_shared
@@ -295,7 +308,7 @@ def profile(launch: dict) -> dict:
         instructions_per_byte=instr * warps / bytes_per_program,
         issue_ceiling_gbps=ISSUE_PER_CLOCK * SM_COUNT * CLOCK_GHZ / (instr * warps / bytes_per_program),
         per=("step of BLOCK_N keys" if launch["kernel"] == "_decode_split_kernel" else
-             "trip of two steps" if launch["kernel"] == "decode_mma_kernel" else "tile of BLOCK_ROWS rows") if loop
+             "trip of two steps" if launch["kernel"] == "decode_mma_kernel" else "tile of TILE_ROWS rows") if loop
         else "program",
         block_n=launch.get("keys_per_trip") or launch["constants"].get("BLOCK_N"),
     )

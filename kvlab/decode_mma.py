@@ -178,11 +178,13 @@ def key_words(dim: int, bits: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def key_words_layout(dim: int, bits: int) -> gl.DistributedLinearLayout:
-    """``[BN, 4, key_words(dim, bits)[1]]`` words (key ``g + 8 j``, thread column ``t``, word ``q``) on the A fragment's threads."""
+def key_words_layout(dim: int, bits: int, warps: int = 1) -> gl.DistributedLinearLayout:
+    """``[BN warps, 4, key_words(dim, bits)[1]]`` words (key ``16 w + g + 8 j``, thread column ``t``, word ``q``) on the
+    threads of the A fragments of ``warps`` warps, 16 keys each."""
     nw = key_words(dim, bits)[1]
     reg = [[0, 0, 1 << i] for i in _bits(nw)] + [[8, 0, 0]]
-    return gl.DistributedLinearLayout(reg, [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [], [], [STEP, 4, nw])
+    lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    return gl.DistributedLinearLayout(reg, lanes, [[STEP << i, 0, 0] for i in _bits(warps)], [], [STEP * warps, 4, nw])
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,26 +303,27 @@ def _groups3(w):
 
 
 @gluon.jit
-def _key_tile(w_k, tk0, tk1, tk2, tk3, D: gl.constexpr, BITS: gl.constexpr):
-    """Key words -> the A operand K ``[BN, D]`` fp16 (columns in ``query_order``)."""
+def _key_tile(w_k, tk0, tk1, tk2, tk3, D: gl.constexpr, BITS: gl.constexpr, ROWS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Key words ``[ROWS, 4, words]`` (``key_words_layout``) -> the A operand K ``[ROWS, D]`` fp16 in ``LAYOUT``
+    (columns in ``query_order``); 16 rows a warp."""
     NWT: gl.constexpr = D * BITS // 128 if BITS != 3 else 4
     if BITS == 3:  # three words (the fourth is not read) -> four groups of 8 indices, as 4-bit words are
         w_k = _groups3(w_k)
     # words of keys g and g + 8 side by side
-    w_ka, w_kb = gl.split(gl.permute(gl.reshape(w_k, [BN // 16, 2, 8, 4, NWT]), (0, 2, 3, 4, 1)))
+    w_ka, w_kb = gl.split(gl.permute(gl.reshape(w_k, [ROWS // 16, 2, 8, 4, NWT]), (0, 2, 3, 4, 1)))
     if BITS != 2:
         ko = gl.inline_asm_elementwise(LOOKUP4_TWO_KEYS if BITS == 4 else LOOKUP3_TWO_KEYS, "=r," * 8 + "r,r,r,r,r,r", [w_ka, w_kb, tk0, tk1, tk2, tk3],
                                        dtype=(gl.int32,) * 8, is_pure=True, pack=1)
         lo, hi = _halves(_join_bits(ko, 3))
         # axes (m, g, t, q, key b, r0, r1, e) -> rows (m, key b, g), columns (q, r1, r0, t, e)
-        b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 6, 5, 2, 7)), [BN, D])
+        b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 6, 5, 2, 7)), [ROWS, D])
     else:
         ko = gl.inline_asm_elementwise(LOOKUP2_TWO_KEYS, "=r," * 16 + "r,r,r,r", [w_ka, w_kb, tk0, tk1],
                                        dtype=(gl.int32,) * 16, is_pure=True, pack=1)
         lo, hi = _halves(_join_bits(ko, 4))
         # axes (m, g, t, q, key b, p0, p1, p2, e) -> rows (m, key b, g), columns (q, p2, p1, p0, t, e)
-        b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 7, 6, 5, 2, 8)), [BN, D])
-    return gl.convert_layout(b_k, OPERAND_A, assert_trivial=True)
+        b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 7, 6, 5, 2, 8)), [ROWS, D])
+    return gl.convert_layout(b_k, LAYOUT, assert_trivial=True)
 
 
 @gluon.jit
@@ -360,7 +363,7 @@ def _value_tile(w_a, w_b, v_shift, tv0, tv1, tv2, tv3, D: gl.constexpr, BITS: gl
 def _attend(b_qt, acc, m_i, l_i, w_k, w_a, w_b, v_shift, kn, vn, n0, end, o_nc, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3,
             D: gl.constexpr, BG: gl.constexpr, BITS_K: gl.constexpr, BITS_V: gl.constexpr):
     """One step on what ``_fetch`` read: scores, online softmax (base 2), output update."""
-    b_k = _key_tile(w_k, tk0, tk1, tk2, tk3, D, BITS_K)
+    b_k = _key_tile(w_k, tk0, tk1, tk2, tk3, D, BITS_K, BN, OPERAND_A)
     s = mma_v2(b_k, b_qt, gl.full([BN, BG], 0.0, gl.float32, layout=MMA))  # S^T [BN, BG]
     m_c = o_nc < end - n0
     s = gl.where(m_c[:, None], s * kn.to(gl.float16, bitcast=True).to(gl.float32)[:, None], float("-inf"))

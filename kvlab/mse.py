@@ -119,6 +119,8 @@ MODEL_TILE_ROWS, MODEL_NUM_WARPS, MODEL_PROGRAMS_PER_SM = 64, 4, 4
 MODEL_OPTIONS = dict(num_stages=1, maxnreg=128)
 # model-space load: write each tile with a bulk (TMA) store from shared memory (Hopper and later)
 MODEL_OUT_DESC = True
+# model-space load on Hopper: the Gluon kernel of kvlab.mse_mma (dims 64 and 128, default tiles)
+MODEL_MMA = True
 
 
 
@@ -1426,7 +1428,23 @@ def load_mse(
     # fused: tiles leave by bulk stores through a tensor descriptor of out (rows counted in int32)
     out_desc = (fused and MODEL_OUT_DESC and dim == 8 * _block_g(dim) and block_rows <= 256 and 0 < num_rows < 2**31
                 and (_interpreted() or torch.cuda.get_device_capability(device)[0] >= 9))
-    if num_rows:
+    # fused, compiled for Hopper at the default tile: the Gluon kernel (centroid tiles made in the MMA's registers)
+    mma = (fused and fast and MODEL_MMA and not _interpreted() and block_rows == MODEL_TILE_ROWS
+           and num_warps == MODEL_NUM_WARPS and torch.cuda.get_device_capability(device)[0] == 9)
+    if mma:
+        from . import mse_mma
+
+        mma = mse_mma.supports(dim, codec.bits)
+    if num_rows and mma:
+        grid = (min(C.cdiv(num_rows, mse_mma.TILE_ROWS), mse_mma.PROGRAMS_PER_SM * _sm_count(device)),)
+        b = _cached(codec, ("mma_b", device), codec.rotation,
+                    lambda r: mse_mma.operand_b(r, codec.bits).to(device))
+        with _on(device):
+            mse_mma.launch(grid, (cache, slot_mapping, b, out, *tables, num_rows, num_blocks * block_size,
+                                  slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), grid[0]),
+                           dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits, OFFSET=offset,
+                                INDEX_BYTES=index_bytes, ALIGN4=phase == 0))
+    elif num_rows:
         tiles = C.cdiv(num_rows, block_rows)
         # fused: persistent programs, a few per SM, each loading R^T once
         grid = (min(tiles, MODEL_PROGRAMS_PER_SM * _sm_count(device)) if fused else tiles,)

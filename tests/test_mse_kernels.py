@@ -273,6 +273,46 @@ def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
         assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim,bits", [(64, 2), (64, 4), (128, 2), (128, 3), (128, 4)])
+def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
+    """On Hopper the model-space load runs the Gluon kernel of ``kvlab.mse_mma`` (centroid tiles made in the
+    registers of the MMA's operand, stores from the accumulator): every row within a small multiple of the
+    output's rounding of the reference, and close to the Triton kernel's, over more tiles than programs,
+    the last tile partial, keys (4-byte aligned) and values (2 bytes past a word boundary), a padding slot."""
+    if device != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon model-space load needs a Hopper GPU (warpgroup MMA)")
+    from kvlab import mse_mma
+
+    heads, block_size = 3, 16
+    programs = mse_mma.PROGRAMS_PER_SM * kvlab.mse._sm_count(torch.device(device))
+    tokens = 2 * programs * mse_mma.TILE_ROWS // heads + 29  # more than two tiles a program, the last tile partial
+    kc, vc = codecs(dim, bits, bits, "hadamard")
+    layout = kvlab.MSESlot(dim, bits, bits)
+    g = torch.Generator().manual_seed(20 + bits)
+    key, value = (torch.randn(tokens, heads, dim, generator=g).half() for _ in range(2))
+    cache = torch.zeros(tokens // block_size + 2, block_size, heads, layout.slot_bytes, dtype=torch.uint8)
+    slots = torch.randperm(cache.shape[0] * block_size, generator=g)[:tokens]
+    slots[5] = -1
+    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
+    kvlab.write_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
+    keep = (slots >= 0).view(-1, 1, 1)
+    calls = []
+    monkeypatch.setattr(mse_mma, "launch", lambda *a, _launch=mse_mma.launch: calls.append(1) or _launch(*a))
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.read_slots(cache, slots, layout)):
+        exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
+        out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype)
+        assert len(calls) == 1 + (part == "value"), "the Gluon kernel did not run"
+        assert out.dtype == out_dtype and not out.isnan().any()
+        rounding = rel_err(exact.to(out_dtype), exact)
+        assert rel_err(out, exact) <= 3 * rounding + 1e-6, (rel_err(out, exact), rounding)
+        assert torch.equal(out[5], torch.zeros_like(out[5]))
+        monkeypatch.setattr(kvlab.mse, "MODEL_MMA", False)
+        triton_out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype)
+        monkeypatch.setattr(kvlab.mse, "MODEL_MMA", True)
+        assert rel_err(out, triton_out) <= 2 * rounding
+
+
 @pytest.mark.parametrize("case", CASES[1::3], ids=IDS[1::3])
 def test_load_exact_without_norm_correction(case, device):
     """Without renormalisation decoding is centroid * fp16 norm: no sum, so the result is exact."""
@@ -434,6 +474,10 @@ def test_addresses_beyond_int32(device):
     # the model-space load (persistent, its product and bulk stores in the kernel) at the same addresses
     exact = vc.decode(vc.encode(value), "model")[keep]
     out = load_mse(cache, slots, vc, part="value", space="model")
+    assert rel_err(out[keep], exact) <= 3 * rel_err(exact.half(), exact) + 1e-6
+    # and the keys (on Hopper: the Gluon kernel of kvlab.mse_mma)
+    exact = kc.decode(kc.encode(key), "model")[keep]
+    out = load_mse(cache, slots, kc, part="key", space="model")
     assert rel_err(out[keep], exact) <= 3 * rel_err(exact.half(), exact) + 1e-6
 
 
