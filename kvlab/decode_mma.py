@@ -97,7 +97,7 @@ def num_registers(group_rows: int) -> int | None:
 
 
 MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-OPERAND_A = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+OPERAND_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 OPERAND_B = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 
 # Two key words (the same 8 coordinates of keys a = g and b = g + 8) -> 8 fp16 pairs in the order of
