@@ -97,6 +97,21 @@ def tuned(key, call):
     return bench(lambda: call(**cfg)), cfg
 
 
+def _runs_gluon(call) -> bool:
+    """Whether ``call()`` launches the Gluon model-space load (``kvlab.mse_mma``) rather than the Triton kernel."""
+    if DEV != "cuda":
+        return False
+    from kvlab import mse_mma
+
+    launch, calls = mse_mma.launch, []
+    mse_mma.launch = lambda *a, **k: (calls.append(1), launch(*a, **k))
+    try:
+        call()
+    finally:
+        mse_mma.launch = launch
+    return bool(calls)
+
+
 def copy_bandwidth(nbytes=4 << 30):
     nbytes = nbytes if DEV == "cuda" else 1 << 20
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
@@ -222,9 +237,14 @@ def main():
                     continue  # the rotated-space load does not depend on the rotation: timed with Haar
                 load = lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, **c)  # noqa: E731
                 ms, cfg = tuned(("mse_load", rot, space, bits), load)
+                if space == "model":  # which kernel that launch runs: on Hopper, the Gluon kernel of kvlab.mse_mma
+                    cfg = dict(cfg, kernel="gluon" if _runs_gluon(lambda: load(**cfg)) else "triton")
+                    cfg_run = {k: v for k, v in cfg.items() if k != "kernel"}
+                else:
+                    cfg_run = cfg
                 record("mse_load", f"value, {space} space" + (", hadamard" if rot == "hadamard" else ""), bits, n, ms,
                        n * layout.value_code_bytes + n * DIM * 2, cfg,
-                       graph_ms=bench_replayed(lambda: load(**cfg)) if args.only == "mse_load" else None)
+                       graph_ms=bench_replayed(lambda: load(**cfg_run)) if args.only == "mse_load" else None)
 
             if rot == "hadamard":  # the baseline reads the same slots whatever the rotation: timed with Haar
                 del cache

@@ -62,7 +62,10 @@ Tiling
     codebook held as byte planes in registers; 4 bits needs a symmetric codebook), in the lookup's
     tile order, which ``R^T``'s rows follow (``tile_order``); the loop reads the next tile's words
     before computing the current one. Elsewhere (the interpreter, other dims, odd alignments) it
-    shifts out each index and gathers its centroid.
+    shifts out each index and gathers its centroid. On sm_90 at the default tile (dims 64 and 128,
+    fp16/bf16 out) the same load runs the Gluon kernel of ``kvlab.mse_mma`` instead: the lookups
+    produce the centroid tile in the register layout of the warpgroup MMA's A operand and the
+    product leaves from registers as 16-byte stores, with no pass through shared memory a tile.
 
     Eight ``bits``-wide indices make exactly ``bits`` bytes (a "group"): packing sums the eight
     shifted indices of a group into one word, unpacking shifts them back out.

@@ -313,6 +313,34 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
         assert rel_err(out, triton_out) <= 2 * rounding
 
 
+@pytest.mark.parametrize("dim,bits", [(64, 2), (64, 4), (128, 2), (128, 3), (128, 4)])
+def test_model_space_mma_operands(dim, bits):
+    """The host side of the Gluon model-space load, on any machine: with the centroid tile's columns in
+    ``query_order`` and B = ``operand_b``, accumulator column ``n`` is output column ``column_order[n]``,
+    and the 16 column pairs a thread holds of a row (columns ``8 j + 2 t + e``) are four runs of 8
+    consecutive output columns (one 16-byte store each)."""
+    from kvlab import mse_mma
+    from kvlab.decode_mma import query_order
+
+    codec = codecs(dim, bits, bits, "haar")[0]
+    order = mse_mma.column_order(dim)
+    assert torch.equal(order.sort().values, torch.arange(dim))
+    for t in range(4):
+        held = torch.tensor([8 * j + 2 * t + e for j in range(dim // 8) for e in range(2)])
+        runs = order[held].view(-1, 8)
+        assert torch.equal(runs - runs[:, :1], torch.arange(8).expand_as(runs)) and bool((runs[:, 0] % 8 == 0).all())
+    g = torch.Generator().manual_seed(bits)
+    c = codec.centroids[torch.randint(0, 2**bits, (37, dim), generator=g)].half().float()
+    b = mse_mma.operand_b(codec.rotation, bits).float()
+    acc = torch.full((37, dim), float("nan"))
+    acc.copy_(c[:, query_order(dim, bits)] @ b)
+    out = torch.full_like(acc, float("nan"))
+    out[:, order] = acc
+    expected = c @ codec.rotation.T.half().float()
+    assert rel_err(out, expected) < 1e-6
+    assert mse_mma.supports(dim, bits) and not mse_mma.supports(64, 3) and not mse_mma.supports(256, 4)
+
+
 @pytest.mark.parametrize("case", CASES[1::3], ids=IDS[1::3])
 def test_load_exact_without_norm_correction(case, device):
     """Without renormalisation decoding is centroid * fp16 norm: no sum, so the result is exact."""
