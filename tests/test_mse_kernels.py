@@ -247,23 +247,30 @@ def test_model_space_load_loops_over_tiles(bits, fast, device):
         assert torch.equal(out[7], torch.zeros_like(out[7]))
 
 
+def written_cache(dim, bits, heads, tokens, seed, padding, device, block_size=16):
+    """Hadamard codecs and a cache holding the reference's codes of random fp16 keys and values in shuffled
+    slots (two spare blocks), token ``padding``'s slot -1: ``(kc, vc, layout, slots, cache)``."""
+    kc, vc = codecs(dim, bits, bits, "hadamard")
+    layout = kvlab.MSESlot(dim, bits, bits)
+    g = torch.Generator().manual_seed(seed)
+    key, value = (torch.randn(tokens, heads, dim, generator=g).half() for _ in range(2))
+    cache = torch.zeros(tokens // block_size + 2, block_size, heads, layout.slot_bytes, dtype=torch.uint8)
+    slots = torch.randperm(cache.shape[0] * block_size, generator=g)[:tokens]
+    slots[padding] = -1
+    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
+    kvlab.write_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
+    return kc, vc, layout, slots, cache
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
     """The model-space load writes its tiles by bulk stores through a tensor descriptor of the output
     (``MODEL_OUT_DESC``): the same values as its 16-byte row stores, in every row, the last tile partial."""
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("bulk tensor stores need sm_90 or later")
-    dim, heads, block_size, block_rows = 128, 3, 16, 16
+    dim, heads, block_rows = 128, 3, 16
     tokens = 5 * block_rows + 7  # 261 rows: 17 tiles, the last one 5 rows
-    kc, vc = codecs(dim, bits, bits, "hadamard")
-    layout = kvlab.MSESlot(dim, bits, bits)
-    g = torch.Generator().manual_seed(10 + bits)
-    key, value = (torch.randn(tokens, heads, dim, generator=g).half() for _ in range(2))
-    cache = torch.zeros(tokens // block_size + 2, block_size, heads, layout.slot_bytes, dtype=torch.uint8)
-    slots = torch.randperm(cache.shape[0] * block_size, generator=g)[:tokens]
-    slots[3] = -1
-    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
-    kvlab.write_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
+    kc, vc, layout, slots, cache = written_cache(dim, bits, heads, tokens, 10 + bits, 3, device)
     for part, codec in (("key", kc), ("value", vc)):
         outs = []
         for bulk in (False, True):
@@ -284,18 +291,10 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
         pytest.skip("the Gluon model-space load needs a Hopper GPU (warpgroup MMA)")
     from kvlab import mse_mma
 
-    heads, block_size = 3, 16
+    heads = 3
     programs = mse_mma.PROGRAMS_PER_SM * kvlab.mse._sm_count(torch.device(device))
     tokens = 2 * programs * mse_mma.TILE_ROWS // heads + 29  # more than two tiles a program, the last tile partial
-    kc, vc = codecs(dim, bits, bits, "hadamard")
-    layout = kvlab.MSESlot(dim, bits, bits)
-    g = torch.Generator().manual_seed(20 + bits)
-    key, value = (torch.randn(tokens, heads, dim, generator=g).half() for _ in range(2))
-    cache = torch.zeros(tokens // block_size + 2, block_size, heads, layout.slot_bytes, dtype=torch.uint8)
-    slots = torch.randperm(cache.shape[0] * block_size, generator=g)[:tokens]
-    slots[5] = -1
-    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
-    kvlab.write_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
+    kc, vc, layout, slots, cache = written_cache(dim, bits, heads, tokens, 20 + bits, 5, device)
     keep = (slots >= 0).view(-1, 1, 1)
     calls = []
     monkeypatch.setattr(mse_mma, "launch", lambda *a, _launch=mse_mma.launch: calls.append(1) or _launch(*a))
