@@ -13,7 +13,8 @@ How (per tile of ``TILE_ROWS = 64`` rows, one warpgroup of 4 warps, 16 rows a wa
       lookup from the product.
     * B is ``R^T`` with its rows in ``query_order`` and its columns in ``column_order``, copied into shared
       memory once by each persistent program (``PROGRAMS_PER_SM`` an SM), which then loops over tiles,
-      reading the next tile's code words and scales before it computes its own.
+      reading the next tile's code words and scales before it computes its own, and the slots that address
+      them one step earlier still where the codes sit 2 bytes past a word boundary (``SLOTS_AHEAD``).
     * The accumulator leaves from registers: with B's columns in ``column_order``, the 16 column pairs a
       thread holds of each row are four runs of 8 consecutive output columns, so each thread writes
       16-byte vectors and the four threads of a row fill 64 contiguous bytes a store.
