@@ -237,14 +237,11 @@ def main():
                     continue  # the rotated-space load does not depend on the rotation: timed with Haar
                 load = lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, **c)  # noqa: E731
                 ms, cfg = tuned(("mse_load", rot, space, bits), load)
-                if space == "model":  # which kernel that launch runs: on Hopper, the Gluon kernel of kvlab.mse_mma
-                    cfg = dict(cfg, kernel="gluon" if _runs_gluon(lambda: load(**cfg)) else "triton")
-                    cfg_run = {k: v for k, v in cfg.items() if k != "kernel"}
-                else:
-                    cfg_run = cfg
+                # model space: which kernel that launch runs (on Hopper, the Gluon kernel of kvlab.mse_mma), recorded
+                kernel = {"kernel": "gluon" if _runs_gluon(lambda: load(**cfg)) else "triton"} if space == "model" else {}
                 record("mse_load", f"value, {space} space" + (", hadamard" if rot == "hadamard" else ""), bits, n, ms,
-                       n * layout.value_code_bytes + n * DIM * 2, cfg,
-                       graph_ms=bench_replayed(lambda: load(**cfg_run)) if args.only == "mse_load" else None)
+                       n * layout.value_code_bytes + n * DIM * 2, cfg | kernel,
+                       graph_ms=bench_replayed(lambda: load(**cfg)) if args.only == "mse_load" else None)
 
             if rot == "hadamard":  # the baseline reads the same slots whatever the rotation: timed with Haar
                 del cache

@@ -1426,14 +1426,11 @@ def load_mse(
     # rotated space, 3 bit: the codes as 32-bit words when every code starts on or 2 bytes past a word boundary
     phase = _word_phase(cache, offset)
     words3 = not fused and codec.bits == 3 and dim in (32, 64, 128, 256) and phase is not None
-    rt = _rotation_t16(codec, device, order=fast) if fused else cent  # cent: a placeholder, never read
     out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" or fused else torch.float32, device=device)
-    # fused: tiles leave by bulk stores through a tensor descriptor of out (rows counted in int32)
-    out_desc = (fused and MODEL_OUT_DESC and dim == 8 * _block_g(dim) and block_rows <= 256 and 0 < num_rows < 2**31
-                and (_interpreted() or torch.cuda.get_device_capability(device)[0] >= 9))
+    major = None if _interpreted() else torch.cuda.get_device_capability(device)[0]  # compute capability
     # fused, compiled for Hopper at the default tile: the Gluon kernel (centroid tiles made in the MMA's registers)
-    mma = (fused and fast and MODEL_MMA and not _interpreted() and block_rows == MODEL_TILE_ROWS
-           and num_warps == MODEL_NUM_WARPS and torch.cuda.get_device_capability(device)[0] == 9)
+    mma = (fused and fast and MODEL_MMA and major == 9 and block_rows == MODEL_TILE_ROWS
+           and num_warps == MODEL_NUM_WARPS)
     if mma:
         from . import mse_mma
 
@@ -1448,6 +1445,10 @@ def load_mse(
                            dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits, OFFSET=offset,
                                 INDEX_BYTES=index_bytes, ALIGN4=phase == 0))
     elif num_rows:
+        rt = _rotation_t16(codec, device, order=fast) if fused else cent  # cent: a placeholder, never read
+        # fused: tiles leave by bulk stores through a tensor descriptor of out (rows counted in int32)
+        out_desc = (fused and MODEL_OUT_DESC and dim == 8 * _block_g(dim) and block_rows <= 256 and num_rows < 2**31
+                    and (major is None or major >= 9))
         tiles = C.cdiv(num_rows, block_rows)
         # fused: persistent programs, a few per SM, each loading R^T once
         grid = (min(tiles, MODEL_PROGRAMS_PER_SM * _sm_count(device)) if fused else tiles,)

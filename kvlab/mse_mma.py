@@ -179,10 +179,9 @@ def model_load_kernel(
 
     i_p = gl.program_id(0)
     P = num_programs
+    w, s = _fetch(cache_ptr, _slots(slot_ptr, i_p, o_m, num_rows, stride_slot, NUM_HEADS), i_p, o_m, o_w, m_w,
+                  num_slots, stride_block, stride_pos, stride_head, NUM_HEADS, BLOCK_SIZE, OFFSET, INDEX_BYTES, ALIGN4, SCALE)
     if SLOTS_AHEAD == 1:
-        w, s = _fetch(cache_ptr, _slots(slot_ptr, i_p, o_m, num_rows, stride_slot, NUM_HEADS), i_p, o_m, o_w, m_w,
-                      num_slots, stride_block, stride_pos, stride_head, NUM_HEADS, BLOCK_SIZE, OFFSET, INDEX_BYTES, ALIGN4,
-                      SCALE)
         for tile in range(i_p, gl.cdiv(num_rows, ROWS), P):
             n_w, n_s = _fetch(cache_ptr, _slots(slot_ptr, tile + P, o_m, num_rows, stride_slot, NUM_HEADS), tile + P, o_m,
                               o_w, m_w, num_slots, stride_block, stride_pos, stride_head, NUM_HEADS, BLOCK_SIZE, OFFSET,
@@ -190,9 +189,6 @@ def model_load_kernel(
             _tile_out(out_ptr, w, s, b_smem, tile, num_rows, o_ro, o_d, t0, t1, t2, t3, D, BITS, ACC, A, OUT)
             w, s = n_w, n_s
     else:  # the slots of a tile read one step before its words
-        w, s = _fetch(cache_ptr, _slots(slot_ptr, i_p, o_m, num_rows, stride_slot, NUM_HEADS), i_p, o_m, o_w, m_w,
-                      num_slots, stride_block, stride_pos, stride_head, NUM_HEADS, BLOCK_SIZE, OFFSET, INDEX_BYTES, ALIGN4,
-                      SCALE)
         n_slot = _slots(slot_ptr, i_p + P, o_m, num_rows, stride_slot, NUM_HEADS)
         for tile in range(i_p, gl.cdiv(num_rows, ROWS), P):
             nn_slot = _slots(slot_ptr, tile + 2 * P, o_m, num_rows, stride_slot, NUM_HEADS)
@@ -200,6 +196,7 @@ def model_load_kernel(
                               NUM_HEADS, BLOCK_SIZE, OFFSET, INDEX_BYTES, ALIGN4, SCALE)
             _tile_out(out_ptr, w, s, b_smem, tile, num_rows, o_ro, o_d, t0, t1, t2, t3, D, BITS, ACC, A, OUT)
             w, s, n_slot = n_w, n_s, nn_slot
+
 
 def operand_b(rotation: torch.Tensor, bits: int) -> torch.Tensor:
     """B: ``R^T`` in fp16, its rows in ``query_order(dim, bits)`` and its columns in ``column_order(dim)``."""
