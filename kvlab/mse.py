@@ -124,6 +124,8 @@ MODEL_OPTIONS = dict(num_stages=1, maxnreg=128)
 MODEL_OUT_DESC = True
 # model-space load on Hopper: the Gluon kernel of kvlab.mse_mma (dims 64 and 128, default tiles)
 MODEL_MMA = True
+# Hadamard store on a CUDA GPU: the Gluon kernel of kvlab.mse_store (8 threads a row; dim 128, default tiling)
+STORE_GLUON = False
 
 
 
@@ -1275,6 +1277,7 @@ def store_mse(
     C.check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, values=check)
     _check_tiling(32 if block_rows is None else block_rows, num_warps)
     C.check_int("piece", piece, (16, 32, 64, 128))
+    default_tiling = block_rows is None and num_warps == 4 and piece == STORE_PIECE
     pieces = max(1, _store_block_d(dim) // piece)  # threads per row
     block_rows = 32 * num_warps // pieces if block_rows is None else block_rows  # default: a piece per thread
     num_rows = num_tokens * num_heads
@@ -1302,11 +1305,25 @@ def store_mse(
     norms = torch.zeros(2, num_rows if check else 1, dtype=torch.float32, device=device)
     block_d = _store_block_d(dim)
     grid = (C.cdiv(num_rows, block_rows),)
+    gluon = STORE_GLUON and device.type == "cuda" and not _interpreted() and default_tiling
     with _on(device):
         for p, codec, offset, index_bytes, part_norms in (
             (parts[0], key_codec, 0, layout.key_bytes, norms[0]),
             (parts[1], value_codec, layout.value_offset, layout.value_bytes, norms[1]),
         ):
+            if gluon and p["hadamard"]:
+                from . import mse_store
+
+                if mse_store.supports(dim, p["head"]):
+                    pairs = _cached(codec, ("square_pairs", device), codec.centroids,
+                                    lambda c: mse_store.square_pairs(_codebook(c, codec.bits)).to(device))
+                    mse_store.launch(
+                        (p["rows"], p["signs"], p["mid"], p["tie"], pairs, slot_mapping, cache, part_norms,
+                         p["scale"], p["rows"].stride(0), num_rows, num_slots, slot_mapping.stride(0), cache.stride(0),
+                         cache.stride(1), cache.stride(2)),
+                        dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits, OFFSET=offset, INDEX_BYTES=index_bytes, HEAD=p["head"],
+                             NORM_CORRECTION=bool(codec.norm_correction), CHECK=check))
+                    continue
             _store_mse_kernel[grid](  # no FMA contraction: y = z * scale must be rounded before t - y
                 p["rows"], p["signs"], p["mid"], p["tie"], p["squares"], slot_mapping, cache, part_norms,
                 p["scale"], p["rows"].stride(0), num_rows, num_slots, offset,
