@@ -97,18 +97,20 @@ def tuned(key, call):
     return bench(lambda: call(**cfg)), cfg
 
 
-def _runs_gluon(call) -> bool:
-    """Whether ``call()`` launches the Gluon model-space load (``kvlab.mse_mma``) rather than the Triton kernel."""
+def _runs_gluon(call, module: str = "mse_mma") -> bool:
+    """Whether ``call()`` launches a Gluon kernel of ``kvlab.<module>`` (``mse_mma``: the model-space load,
+    ``mse_store``: the Hadamard store) rather than the Triton kernel."""
     if DEV != "cuda":
         return False
-    from kvlab import mse_mma
+    import importlib
 
-    launch, calls = mse_mma.launch, []
-    mse_mma.launch = lambda *a, **k: (calls.append(1), launch(*a, **k))
+    gluon = importlib.import_module(f"kvlab.{module}")
+    launch, calls = gluon.launch, []
+    gluon.launch = lambda *a, **k: (calls.append(1), launch(*a, **k))
     try:
         call()
     finally:
-        mse_mma.launch = launch
+        gluon.launch = launch
     return bool(calls)
 
 
@@ -221,9 +223,11 @@ def main():
                     torch.equal(kref, kc.encode(x16[:4096])) and torch.equal(vref, vc.encode(v16[:4096]))
                 )
             if args.only != "mse_load":
-                ms, cfg = tuned(("mse_store", rot, bits), lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, **c))
+                store = lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, **c)  # noqa: E731
+                ms, cfg = tuned(("mse_store", rot, bits), store)
                 variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
-                record("mse_store", variant, bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg)
+                kernel = {"kernel": "gluon" if _runs_gluon(lambda: store(**cfg), "mse_store") else "triton"}
+                record("mse_store", variant, bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg | kernel)
             if args.only == "mse_store":
                 del cache
                 continue

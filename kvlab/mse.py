@@ -124,8 +124,8 @@ MODEL_OPTIONS = dict(num_stages=1, maxnreg=128)
 MODEL_OUT_DESC = True
 # model-space load on Hopper: the Gluon kernel of kvlab.mse_mma (dims 64 and 128, default tiles)
 MODEL_MMA = True
-# Hadamard store on a CUDA GPU: the Gluon kernel of kvlab.mse_store (8 threads a row; dim 128, default tiling)
-STORE_GLUON = False
+# Hadamard store on a CUDA GPU: the Gluon kernel of kvlab.mse_store (a row on 4 threads; dim 128, default tiling)
+STORE_GLUON = True
 
 
 
@@ -1315,13 +1315,12 @@ def store_mse(
                 from . import mse_store
 
                 if mse_store.supports(dim, p["head"]):
-                    pairs = _cached(codec, ("square_pairs", device), codec.centroids,
-                                    lambda c: mse_store.square_pairs(_codebook(c, codec.bits)).to(device))
                     mse_store.launch(
-                        (p["rows"], p["signs"], p["mid"], p["tie"], pairs, slot_mapping, cache, part_norms,
+                        (p["rows"], p["signs"], p["mid"], p["tie"], p["squares"], slot_mapping, cache, part_norms,
                          p["scale"], p["rows"].stride(0), num_rows, num_slots, slot_mapping.stride(0), cache.stride(0),
                          cache.stride(1), cache.stride(2)),
-                        dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits, OFFSET=offset, INDEX_BYTES=index_bytes, HEAD=p["head"],
+                        dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits,
+                             TUPLE=_square_tuple(codec.bits), OFFSET=offset, INDEX_BYTES=index_bytes, HEAD=p["head"],
                              NORM_CORRECTION=bool(codec.norm_correction), CHECK=check))
                     continue
             _store_mse_kernel[grid](  # no FMA contraction: y = z * scale must be rounded before t - y

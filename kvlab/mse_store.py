@@ -18,7 +18,7 @@ How (a row of 128 columns is 16 chunks of 8; 8 threads a row, 4 rows a warp, ``R
       same order as ``kvlab.rotation.fwht``, so the rotated row is bit-identical.
     * In ``LB``: the scale, the norm (fp64 squares summed in the thread, then across the 8 threads: any order rounds
       to the same float32 but with probability ~2**-26 a row), the per-row thresholds (``kvlab.mse._thresholds``,
-      one per boundary), the binary search, the sign, and ``|c|^2`` from the squares table.
+      one per boundary), the binary search, the sign, and ``|c|^2`` from the squares table of ``kvlab.mse._square_sums``.
     * The codes go back to ``LA`` (bytes, through shared memory), where each thread packs its two chunks' codes
       into their group words and writes them (4-byte words where the code is word-aligned, else 2-byte halves),
       with the fp16 scale.
@@ -38,6 +38,7 @@ DIMS = (128,)
 LANES = 4  # threads a row
 WARPS = 4
 ROWS_PER_THREAD = 1
+MAXNREG = {4: 64}  # bits -> registers a thread where capped: 8 programs of 4 warps an SM at 4 bits (77 uncapped)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,14 +56,6 @@ def layouts(dim: int, bits: int, rows_per_thread: int = ROWS_PER_THREAD, warps: 
         LT=gl.BlockedLayout([rows_per_thread, max(1, half // lanes)], [rows, lanes], [warps, 1], [1, 0]),
         LTA=gl.BlockedLayout([rows_per_thread, half], [rows, lanes], [warps, 1], [1, 0]),
     )
-
-
-def square_pairs(codebook: torch.Tensor) -> torch.Tensor:
-    """fp64 ``[levels**2]``: entry ``a | b << bits`` is ``c[a]**2 + c[b]**2`` (each square exact in fp64) for the
-    codebook ``c`` (the centroid of each code)."""
-    c = codebook.detach().to("cpu", torch.float64)
-    sq = c * c
-    return (sq[None, :] + sq[:, None]).reshape(-1)  # [b, a] -> index a + levels b
 
 
 def supports(dim: int, head: int) -> bool:
@@ -146,7 +139,7 @@ def store_kernel(
     sign_ptr,  # int16/int32 [D]: the sign bit of each column's Hadamard sign (as x's width)
     mid_ptr,  # fp64 [HALF]: kvlab.mse._midpoints
     tie_ptr,  # int32 [HALF]
-    sq_ptr,  # fp64 [2**(2 BITS)]: square_pairs
+    sq_ptr,  # fp64: kvlab.mse._square_sums (sums of the squared centroids of TUPLE codes)
     slot_ptr,  # int32/int64 [num_tokens]
     cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes]
     norm_ptr,  # fp32 [num_rows]: CHECK: the stored scales
@@ -162,6 +155,7 @@ def store_kernel(
     NUM_HEADS: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     BITS: gl.constexpr,
+    TUPLE: gl.constexpr,  # codes an entry of the squares table: 1 (16 entries at 4 bits) or 2
     OFFSET: gl.constexpr,  # byte of this part's code in a slot
     INDEX_BYTES: gl.constexpr,
     HEAD: gl.constexpr,  # 0: codes 4-byte aligned; 2: 2 bytes past a word boundary
@@ -230,10 +224,10 @@ def store_kernel(
             m = _magnitude(gl.abs(ys[c]), tb[1:], BITS - 1)
         codes = codes + (m | gl.where(ys[c] > tb[0], 0, HALF),)  # sign-magnitude
 
-    if NORM_CORRECTION:  # |c|^2: fp64 sum of the picked centroids' squares, a table entry a pair of codes
-        sq = gl.load(sq_ptr + (codes[0] | (codes[1] << BITS)))
-        for c in gl.static_range(2, NC, 2):
-            sq += gl.load(sq_ptr + (codes[c] | (codes[c + 1] << BITS)))
+    if NORM_CORRECTION:  # |c|^2: fp64 sum of the picked centroids' squares (TUPLE codes an entry of the table)
+        sq = gl.load(sq_ptr + codes[0]) if TUPLE == 1 else gl.load(sq_ptr + (codes[0] | (codes[1] << BITS)))
+        for c in gl.static_range(TUPLE, NC, TUPLE):
+            sq += gl.load(sq_ptr + codes[c]) if TUPLE == 1 else gl.load(sq_ptr + (codes[c] | (codes[c + 1] << BITS)))
         length = gl.sqrt(gl.sum(sq, axis=1)).to(gl.float32)
         norm = gl.div_rn(norm, length)
 
@@ -289,4 +283,5 @@ def launch(args: tuple, constants: dict) -> None:
     grid = (-(-args[10] // rows),)
     store_kernel[grid](*args, **constants, ROWS=rows,
                        **layouts(constants["D"], constants["BITS"], ROWS_PER_THREAD, WARPS, LANES),
-                       num_warps=WARPS, enable_fp_fusion=False)
+                       num_warps=WARPS, enable_fp_fusion=False,
+                       **({"maxnreg": MAXNREG[constants["BITS"]]} if constants["BITS"] in MAXNREG else {}))

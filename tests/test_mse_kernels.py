@@ -340,6 +340,99 @@ def test_model_space_mma_operands(dim, bits):
     assert mse_mma.supports(dim, bits) and not mse_mma.supports(64, 3) and not mse_mma.supports(256, 4)
 
 
+@pytest.mark.parametrize("lanes,rows_per_thread,warps", [(4, 1, 4), (8, 2, 4), (4, 2, 8)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shift", [0, 2])
+def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkeypatch):
+    """On a GPU the Hadamard store at dim 128 runs the Gluon kernel of ``kvlab.mse_store``: the reference's bytes
+    (and the Triton kernel's) for every key/value width, keys and values at both word phases (a cache 2 bytes past
+    an aligned address swaps them), rows past the last tile, padding slots, each tiling of 4 or 8 threads a row."""
+    if device != "cuda":
+        pytest.skip("the Gluon store runs on CUDA GPUs (Triton's interpreter cannot run Gluon)")
+    from kvlab import mse_store
+
+    monkeypatch.setattr(mse_store, "LANES", lanes)
+    monkeypatch.setattr(mse_store, "ROWS_PER_THREAD", rows_per_thread)
+    monkeypatch.setattr(mse_store, "WARPS", warps)
+    calls = []
+    monkeypatch.setattr(mse_store, "launch", lambda *a, _launch=mse_store.launch: calls.append(1) or _launch(*a))
+    for kb, vb in [(2, 3), (3, 4), (4, 2), (4, 4)]:
+        key, value, slots, _, ref, kc, vc, layout = make_batch((157, 3, 128, kb, vb, "hadamard", dtype, 16), device)
+        flat = torch.full((ref.numel() + 16,), SENTINEL, dtype=torch.uint8, device=device)
+        cache = flat[shift : shift + ref.numel()].view(ref.shape)
+        store_mse(key, value, slots, cache, kc, vc)
+        assert len(calls) == 2, "the Gluon store did not run for keys and values"
+        calls.clear()
+        assert torch.equal(cache, ref)
+        assert bool((flat[:shift] == SENTINEL).all()) and bool((flat[shift + ref.numel() :] == SENTINEL).all())
+        monkeypatch.setattr(kvlab.mse, "STORE_GLUON", False)
+        triton_cache = torch.full_like(cache, SENTINEL)
+        store_mse(key, value, slots, triton_cache, kc, vc)
+        monkeypatch.setattr(kvlab.mse, "STORE_GLUON", True)
+        assert not calls and torch.equal(triton_cache, cache)
+
+
+def test_gluon_store_reach():
+    """Which stores the Gluon kernel takes: dim 128, codes word-aligned or 2 bytes past a boundary."""
+    from kvlab import mse_store
+
+    assert mse_store.supports(128, 0) and mse_store.supports(128, 2)
+    assert not mse_store.supports(64, 0) and not mse_store.supports(128, 1) and not mse_store.supports(128, -1)
+
+
+_COMPILE_STORE = """
+import subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kvlab import mse_store
+
+bits, head = int(sys.argv[1]), int(sys.argv[2])
+signature = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i32",
+                 cache_ptr="*u8", norm_ptr="*fp32", scale="fp32", stride_x="i32", num_rows="i32", num_slots="i32",
+                 stride_slot="i32", stride_block="i32", stride_pos="i32", stride_head="i32")
+rows = mse_store.ROWS_PER_THREAD * (32 // mse_store.LANES) * mse_store.WARPS
+constants = dict(D=128, NUM_HEADS=8, BLOCK_SIZE=16, BITS=bits, TUPLE=1 if bits == 4 else 2, OFFSET=head, INDEX_BYTES=16 * bits, HEAD=head,
+                 NORM_CORRECTION=True, CHECK=True, ROWS=rows,
+                 **mse_store.layouts(128, bits, mse_store.ROWS_PER_THREAD, mse_store.WARPS, mse_store.LANES))
+source = GluonASTSource(mse_store.store_kernel, dict(signature, **dict.fromkeys(constants, "constexpr")), constants)
+options = dict(num_warps=mse_store.WARPS, enable_fp_fusion=False)
+if bits in mse_store.MAXNREG:
+    options["maxnreg"] = mse_store.MAXNREG[bits]
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+with tempfile.TemporaryDirectory() as tmp:
+    cubin = Path(tmp) / "k.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    print(subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                         check=True).stdout)
+"""
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gluon_store_compiles_for_hopper(bits):
+    """The Gluon store compiles for sm_90 on any machine (Triton's own ptxas, outside the interpreter), at its
+    default tiling and register cap, for codes at both word phases: at most 64 registers a thread (8 programs of 4
+    warps an SM), no stack but the 8 bytes the 4-bit kernel spills under its cap (``MAXNREG``: faster than 77
+    registers uncapped, results/codec_ab_store_gluon.json)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvlab import mse_store
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    for head in (0, 2):
+        usage = subprocess.run([sys.executable, "-c", _COMPILE_STORE, str(bits), str(head)], capture_output=True,
+                               text=True, env=env, check=True).stdout
+        assert "LOCAL:0" in usage and int(re.search(r"STACK:(\d+)", usage).group(1)) <= (8 if bits in mse_store.MAXNREG else 0)
+        assert int(re.search(r"REG:(\d+)", usage).group(1)) <= 64, usage
+
+
 @pytest.mark.parametrize("case", CASES[1::3], ids=IDS[1::3])
 def test_load_exact_without_norm_correction(case, device):
     """Without renormalisation decoding is centroid * fp16 norm: no sum, so the result is exact."""
