@@ -127,7 +127,7 @@ def _record(out: str, only: set[str]) -> None:
                 case(f"affine_unpack {axis}", bits, lambda: kvlab.unpack_affine(codes, bits, 32, axis, DIM),
                      codes.numel() + x.numel() * 2)
     if "mse" in only:
-        from kvlab import mse_mma
+        from kvlab import mse_mma, mse_store
 
         kv = x.view(rows // HEADS, HEADS, DIM)
         slots = torch.arange(rows // HEADS)
@@ -138,6 +138,24 @@ def _record(out: str, only: set[str]) -> None:
             cache = torch.zeros(rows // HEADS // 16, 16, HEADS, layout.slot_bytes, dtype=torch.uint8)
             case("mse_store hadamard, K+V", bits, lambda: kvlab.store_mse(kv, kv, slots, cache, kc, vc, check=False),
                  2 * kv.numel() * 2 + rows * layout.slot_bytes, options=kvlab.mse._store_compiled_options(bits, 4, DIM))
+            # the store as an H200 runs it, compiled for sm_90: the Gluon kernel of kvlab.mse_store (the interpreter
+            # runs the Triton kernel above, so the launch is written here), the values' launch (codes 2 bytes past a
+            # word boundary), one program of mse_store.rows() rows counted
+            head = kvlab.mse._store_head(cache, layout.value_offset, layout.value_code_bytes)
+            constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, TUPLE=kvlab.mse._square_tuple(bits),
+                             OFFSET=layout.value_offset, INDEX_BYTES=layout.value_bytes, HEAD=head, NORM_CORRECTION=True,
+                             CHECK=False, ROWS=mse_store.rows(), LA=None, LB=None, LW=None, LT=None, LTA=None)
+            runtime = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i64",
+                           cache_ptr="*u8", norm_ptr="*fp32", scale="fp32", stride_x="i32", num_rows="i32", num_slots="i32",
+                           stride_slot="i32", stride_block="i32", stride_pos="i32", stride_head="i32")
+            # the tensors, the row stride (DIM), the row and slot counts and the block and position strides are
+            # multiples of 16 at the benchmark's shapes (Triton specialises on that); the slot and head strides are not
+            launches.append(dict(module="kvlab.mse_store", kernel="store_kernel", case="mse_store hadamard, K+V (Gluon)",
+                                 bits=bits, signature=runtime | {k: "constexpr" for k in constants}, constants=constants,
+                                 aligned=[0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 14],
+                                 options=dict(num_warps=mse_store.WARPS, enable_fp_fusion=False)
+                                 | ({"maxnreg": mse_store.MAXNREG[bits]} if bits in mse_store.MAXNREG else {}),
+                                 programs=1, bytes=mse_store.rows() * (2 * DIM + layout.value_code_bytes)))
             case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
                  rows * (layout.value_code_bytes + 2 * DIM))
             # model space, compiled for sm_90: the Gluon kernel of kvlab.mse_mma (the interpreter cannot run it, so

@@ -50,6 +50,11 @@ Tiling
     a coalesced store (a head and a tail of at most 3 bytes per row when the code is not 4-byte
     aligned; bytes when the cache's strides are not multiples of 4).
 
+    On a CUDA GPU the Hadamard store at dim 128 and its default tiling runs the Gluon kernel of
+    ``kvlab.mse_store`` instead (``STORE_GLUON``): a row on four threads, the butterflies within chunks of
+    8 columns, one layout conversion through shared memory, the butterflies across chunks; the same bytes,
+    with 64 registers a thread and four times the resident warps.
+
     Load: a thread decodes groups of 8 elements (``bits`` bytes in, 16 bytes of fp16 out, one
     vector store), loading the group's bytes 4, 2 or 1 at a time as the cache's alignment allows;
     consecutive groups of a row sit on consecutive lanes, so loads and stores are coalesced. 3-bit

@@ -32,7 +32,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-__all__ = ["DIMS", "launch", "layouts", "supports"]
+__all__ = ["DIMS", "launch", "layout_constants", "layouts", "rows", "supports"]
 
 DIMS = (128,)
 LANES = 4  # threads a row
@@ -56,6 +56,16 @@ def layouts(dim: int, bits: int, rows_per_thread: int = ROWS_PER_THREAD, warps: 
         LT=gl.BlockedLayout([rows_per_thread, max(1, half // lanes)], [rows, lanes], [warps, 1], [1, 0]),
         LTA=gl.BlockedLayout([rows_per_thread, half], [rows, lanes], [warps, 1], [1, 0]),
     )
+
+
+def layout_constants(dim: int, bits: int) -> dict:
+    """The kernel's layout arguments at the default tiling (``LANES``, ``ROWS_PER_THREAD``, ``WARPS``)."""
+    return layouts(dim, bits, ROWS_PER_THREAD, WARPS, LANES)
+
+
+def rows() -> int:
+    """Rows a program at the default tiling."""
+    return ROWS_PER_THREAD * (32 // LANES) * WARPS
 
 
 def supports(dim: int, head: int) -> bool:
@@ -279,9 +289,7 @@ def store_kernel(
 def launch(args: tuple, constants: dict) -> None:
     """Launch ``store_kernel`` over ``args[10]`` (``num_rows``) rows with the runtime ``args`` (in order) and the
     ``constants`` (without the layouts and ``ROWS``), at the tiling of ``LANES``, ``ROWS_PER_THREAD`` and ``WARPS``."""
-    rows = ROWS_PER_THREAD * (32 // LANES) * WARPS
-    grid = (-(-args[10] // rows),)
-    store_kernel[grid](*args, **constants, ROWS=rows,
-                       **layouts(constants["D"], constants["BITS"], ROWS_PER_THREAD, WARPS, LANES),
+    grid = (-(-args[10] // rows()),)
+    store_kernel[grid](*args, **constants, ROWS=rows(), **layout_constants(constants["D"], constants["BITS"]),
                        num_warps=WARPS, enable_fp_fusion=False,
                        **({"maxnreg": MAXNREG[constants["BITS"]]} if constants["BITS"] in MAXNREG else {}))
