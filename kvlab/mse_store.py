@@ -1,27 +1,31 @@
-"""The fused MSE store of Hadamard codecs on 8 threads a row (Gluon, NVIDIA GPUs only).
+"""The fused MSE store of Hadamard codecs on a few threads a row (Gluon, NVIDIA GPUs only).
 
 What
     ``store_mse`` for a Hadamard codec at dim 128 on a CUDA GPU (fp16, bf16 or fp32 input; codes 4-byte aligned or
     2 bytes past a word boundary, as every ``MSESlot`` cache has them): the bytes of the Triton kernel of
-    ``kvlab.mse`` (the reference's, ``torch.equal``) from a kernel that holds a row on 8 threads instead of one.
+    ``kvlab.mse`` (the reference's, ``torch.equal``) from a kernel that holds a row on ``LANES`` threads (4) instead
+    of one.
 
 Why
     The Triton store holds a whole row in one thread: 128 fp32 values, 166-178 registers, 8-12 warps an SM, too few
-    to hide the latency of its long dependent chains (Nsight Compute: 42 % issue activity). Here a thread holds 16
-    values of a row, so an SM runs several times as many warps.
+    to hide the latency of its long dependent chains (Nsight Compute: 42 % issue activity). Here a thread holds 32
+    values of a row at 60-64 registers, so an SM runs 32 warps; on an H200 it is 1.3-1.5x the Triton kernel
+    (``results/codec_ab_store_gluon.json``), though it issues more instructions per byte.
 
-How (a row of 128 columns is 16 chunks of 8; 8 threads a row, 4 rows a warp, ``ROWS_PER_THREAD`` rows a thread)
-    * Load layout ``LA``: thread ``j`` of a row holds chunks ``2j`` and ``2j + 1`` (two 16-byte loads of fp16). It
-      flips the signs and runs the butterflies ``h = 1, 2, 4`` (within a chunk) in registers.
-    * A layout conversion through shared memory gives layout ``LB``: thread ``j`` holds column ``j`` of every chunk,
-      so the butterflies ``h = 8 .. 64`` (across chunks) are in registers too: the same float32 additions in the
-      same order as ``kvlab.rotation.fwht``, so the rotated row is bit-identical.
-    * In ``LB``: the scale, the norm (fp64 squares summed in the thread, then across the 8 threads: any order rounds
-      to the same float32 but with probability ~2**-26 a row), the per-row thresholds (``kvlab.mse._thresholds``,
-      one per boundary), the binary search, the sign, and ``|c|^2`` from the squares table of ``kvlab.mse._square_sums``.
-    * The codes go back to ``LA`` (bytes, through shared memory), where each thread packs its two chunks' codes
-      into their group words and writes them (4-byte words where the code is word-aligned, else 2-byte halves),
-      with the fp16 scale.
+How (a row of 128 columns is 16 chunks of 8; ``LANES`` threads a row, ``32 / LANES`` rows a warp)
+    * Load layout ``LA``: thread ``j`` of a row holds the ``16 / LANES`` consecutive chunks from ``16 j / LANES``
+      (16-byte loads of fp16). It flips the signs and runs the butterflies ``h = 1, 2, 4`` (within a chunk) in
+      registers.
+    * A layout conversion through shared memory gives layout ``LB``: thread ``j`` holds ``8 / LANES`` columns of
+      every chunk, so the butterflies ``h = 8 .. 64`` (across chunks) are in registers too: the same float32
+      additions in the same order as ``kvlab.rotation.fwht``, so the rotated row is bit-identical.
+    * In ``LB``: the scale, the norm (fp64 squares summed in the thread, then across the row's threads: any order
+      rounds to the same float32 but with a probability of order 2**-26 a row), the per-row thresholds
+      (``kvlab.mse._thresholds``; each thread computes its share, then gets the others), the binary search, the
+      sign, and ``|c|^2`` from the squares table of ``kvlab.mse._square_sums``.
+    * The codes go back to ``LA`` (bytes, through shared memory), where each thread packs its chunks' codes into
+      their group words and writes them (4-byte words where the code is word-aligned, else 2-byte halves), with the
+      fp16 scale.
 """
 
 from __future__ import annotations
