@@ -190,7 +190,7 @@ def store_kernel(
     RA: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LA))
     i_t = gl.program_id(0).to(gl.int64)
 
-    # ---- load (LA): 2 chunks of 8 columns a thread, signs flipped, butterflies h = 1, 2, 4
+    # ---- load (LA): GPT chunks of 8 columns a thread, signs flipped, butterflies h = 1, 2, 4
     o_r = i_t * ROWS + gl.arange(0, ROWS, layout=RA)
     o_c = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA)))
     o_p = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA)))
@@ -203,7 +203,7 @@ def store_kernel(
         a, b = gl.split(gl.permute(gl.reshape(x, [ROWS, NC, 4 >> i, 2, 1 << i]), (0, 1, 2, 4, 3)))
         x = gl.reshape(gl.permute(gl.join(a + b, a - b), (0, 1, 2, 4, 3)), [ROWS, NC, 8])
 
-    # ---- LB: one column of every chunk a thread, held as NC tensors [ROWS, 8]; butterflies h = 8 .. 4 D
+    # ---- LB: 8 / LANES columns of every chunk a thread, held as NC tensors [ROWS, 8]; butterflies h = 8 .. D / 2
     xs = _unstack(gl.convert_layout(x, LB), ROWS, NC, 8)
     for i in gl.static_range(LOG_NC):  # h = 8 << i: chunk c pairs with c + (1 << i) in blocks of 2 << i
         ys = ()
