@@ -153,9 +153,7 @@ def _record(out: str, only: set[str]) -> None:
             launches.append(dict(module="kvlab.mse_store", kernel="store_kernel", case="mse_store hadamard, K+V (Gluon)",
                                  bits=bits, signature=runtime | {k: "constexpr" for k in constants}, constants=constants,
                                  aligned=[0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 14],
-                                 options=dict(num_warps=mse_store.WARPS, enable_fp_fusion=False)
-                                 | ({"maxnreg": mse_store.MAXNREG[bits]} if bits in mse_store.MAXNREG else {}),
-                                 programs=1, bytes=mse_store.rows() * (2 * DIM + layout.value_code_bytes)))
+                                 options=mse_store.options(bits), programs=1, bytes=mse_store.rows() * (2 * DIM + layout.value_code_bytes)))
             case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
                  rows * (layout.value_code_bytes + 2 * DIM))
             # model space, compiled for sm_90: the Gluon kernel of kvlab.mse_mma (the interpreter cannot run it, so

@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-__all__ = ["DIMS", "launch", "layout_constants", "layouts", "rows", "supports"]
+__all__ = ["DIMS", "launch", "layout_constants", "layouts", "options", "rows", "supports"]
 
 DIMS = (128,)
 LANES = 4  # threads a row
@@ -46,7 +45,7 @@ MAXNREG = {4: 64}  # bits -> registers a thread where capped: 8 programs of 4 wa
 
 
 @functools.lru_cache(maxsize=None)
-def layouts(dim: int, bits: int, rows_per_thread: int = ROWS_PER_THREAD, warps: int = WARPS, lanes: int = LANES) -> dict:
+def layouts(dim: int, bits: int, rows_per_thread: int, warps: int, lanes: int) -> dict:
     """The layouts of a ``[rows, dim // 8, 8]`` tile with ``lanes`` threads a row: ``LA`` (a thread holds
     ``dim // 8 // lanes`` consecutive chunks of 8 columns), ``LB`` (a thread holds ``8 // lanes`` columns of every
     chunk), ``LW`` (``[rows, lanes]``: one thread each), ``LT`` and ``LTA`` (``[rows, 2**(bits - 1)]`` thresholds: a
@@ -70,6 +69,12 @@ def layout_constants(dim: int, bits: int) -> dict:
 def rows() -> int:
     """Rows a program at the default tiling."""
     return ROWS_PER_THREAD * (32 // LANES) * WARPS
+
+
+def options(bits: int) -> dict:
+    """Compile options of the kernel for ``bits``-bit codes: ``WARPS``, no FMA contraction (``y = z * scale`` is
+    rounded before it is compared, as in ``kvlab.mse``), and the register cap of ``MAXNREG`` where there is one."""
+    return dict(num_warps=WARPS, enable_fp_fusion=False, **({"maxnreg": MAXNREG[bits]} if bits in MAXNREG else {}))
 
 
 def supports(dim: int, head: int) -> bool:
@@ -295,5 +300,4 @@ def launch(args: tuple, constants: dict) -> None:
     ``constants`` (without the layouts and ``ROWS``), at the tiling of ``LANES``, ``ROWS_PER_THREAD`` and ``WARPS``."""
     grid = (-(-args[10] // rows()),)
     store_kernel[grid](*args, **constants, ROWS=rows(), **layout_constants(constants["D"], constants["BITS"]),
-                       num_warps=WARPS, enable_fp_fusion=False,
-                       **({"maxnreg": MAXNREG[constants["BITS"]]} if constants["BITS"] in MAXNREG else {}))
+                       **options(constants["BITS"]))

@@ -387,20 +387,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvlab import mse_store
+from kvlab.mse import _square_tuple
 
 bits, head = int(sys.argv[1]), int(sys.argv[2])
 signature = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i32",
                  cache_ptr="*u8", norm_ptr="*fp32", scale="fp32", stride_x="i32", num_rows="i32", num_slots="i32",
                  stride_slot="i32", stride_block="i32", stride_pos="i32", stride_head="i32")
-rows = mse_store.ROWS_PER_THREAD * (32 // mse_store.LANES) * mse_store.WARPS
-constants = dict(D=128, NUM_HEADS=8, BLOCK_SIZE=16, BITS=bits, TUPLE=1 if bits == 4 else 2, OFFSET=head, INDEX_BYTES=16 * bits, HEAD=head,
-                 NORM_CORRECTION=True, CHECK=True, ROWS=rows,
-                 **mse_store.layouts(128, bits, mse_store.ROWS_PER_THREAD, mse_store.WARPS, mse_store.LANES))
+constants = dict(D=128, NUM_HEADS=8, BLOCK_SIZE=16, BITS=bits, TUPLE=_square_tuple(bits), OFFSET=head,
+                 INDEX_BYTES=16 * bits, HEAD=head, NORM_CORRECTION=True, CHECK=True, ROWS=mse_store.rows(), **mse_store.layout_constants(128, bits))
 source = GluonASTSource(mse_store.store_kernel, dict(signature, **dict.fromkeys(constants, "constexpr")), constants)
-options = dict(num_warps=mse_store.WARPS, enable_fp_fusion=False)
-if bits in mse_store.MAXNREG:
-    options["maxnreg"] = mse_store.MAXNREG[bits]
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=mse_store.options(bits))
 with tempfile.TemporaryDirectory() as tmp:
     cubin = Path(tmp) / "k.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
