@@ -48,14 +48,16 @@ _LAZY = {
     "KVCache": "cache", "KVFormat": "cache",
     "corpus": "model", "load_model": "model", "perplexity": "model", "Perplexity": "model",
     "SimulatedCache": "simulated",
+    "PagedKVCache": "generation", "generate": "generation", "GenerateOutput": "generation",
+    "fused_support": "generation",
 }
-__all__ += [*_LAZY, "cache", "model", "simulated"]
+__all__ += [*_LAZY, "cache", "generation", "model", "simulated"]
 
 
 def __getattr__(name):
     import importlib
 
-    if name in ("cache", "model", "simulated"):
+    if name in ("cache", "generation", "model", "simulated"):
         return importlib.import_module(f".{name}", __name__)
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

@@ -25,6 +25,12 @@ Perplexity
     2. the tokens ``[w s + W - s - 1, w s + W - 1)`` are fed in calls of ``chunk`` tokens; their logits
        predict the ``s`` scored tokens.
 
+    With a ``kvlab.PagedKVCache`` the model attends as it does when it generates (``kvlab.generate``):
+    the prompt at full precision, then stored; with ``chunk=1`` every scored token is one decode step
+    through ``decode_attention`` (token-by-token decoding), with a larger ``chunk`` a call attends
+    causally over the stored context, its own chunk included (``prefill_attention``): the same
+    attention, computed for several queries at once.
+
     With a ``KVCache`` (``prefill="exact"``) the prompt is processed at full precision and stored as
     codes, and every scored token is predicted by a call that attends to the decoded cache, its own
     chunk included: what a decoder reading the quantized cache computes. With a dict of caches the
@@ -194,6 +200,23 @@ def _shares_prompt(kv) -> bool:
     return type(kv) is DynamicCache or getattr(kv, "prefill", None) == "exact"
 
 
+class _attention:
+    """Run the model with attention implementation ``name`` (None: as it is), then put the previous one back."""
+
+    def __init__(self, model, name: str | None):
+        self.model, self.name, self.previous = model, name, None
+
+    def __enter__(self):
+        if self.name is not None:
+            self.previous = self.model.config._attn_implementation
+            self.model.set_attn_implementation(self.name)
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            self.model.set_attn_implementation(self.previous)
+        return False
+
+
 def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256, chunk: int | None = None,
                cache=None, max_windows: int | None = None):
     """Sliding-window perplexity of ``ids`` (1-d token ids), every forward pass through a cache.
@@ -259,12 +282,13 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
                     seconds[name] += (time.perf_counter() - t0) / len(shared)
             for name, kv in caches.items():
                 t0 = time.perf_counter()
-                if not (len(shared) > 1 and name in shared):
-                    model(prompt, cache=kv, use_cache=True, logits_to_keep=1)
-                for c in range(begin + window - stride - 1, begin + window - 1, chunk):
-                    stop = min(c + chunk, begin + window - 1)
-                    logits = model(ids[None, c:stop], cache=kv, use_cache=True).logits[0].float()
-                    totals[name] += torch.nn.functional.cross_entropy(logits, ids[c + 1 : stop + 1], reduction="sum").item()
+                with _attention(model, getattr(kv, "attn_implementation", None)):
+                    if not (len(shared) > 1 and name in shared):
+                        model(prompt, cache=kv, use_cache=True, logits_to_keep=1)
+                    for c in range(begin + window - stride - 1, begin + window - 1, chunk):
+                        stop = min(c + chunk, begin + window - 1)
+                        logits = model(ids[None, c:stop], cache=kv, use_cache=True).logits[0].float()
+                        totals[name] += torch.nn.functional.cross_entropy(logits, ids[c + 1 : stop + 1], reduction="sum").item()
                 if hasattr(kv, "held_bits_per_element"):
                     bits[name] = kv.held_bits_per_element()
                 seconds[name] += time.perf_counter() - t0

@@ -1,0 +1,202 @@
+"""Generation through the fused decode (kvlab.generation) against the materialising path (kvlab.KVCache)."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvlab
+from kvlab import KVCache, KVFormat
+from kvlab.generation import PagedKVCache, fused_support, generate
+
+VOCAB = 256
+
+
+def tiny_model(q_heads=4, kv_heads=2, head_dim=64, layers=2, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32 * q_heads, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval().to(dtype)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def materialised(model, ids, fmt, new, mask=None, dtype=torch.float16):
+    """The same generation through KVCache (every step decodes the stored tokens, SDPA)."""
+    model.set_attn_implementation("sdpa")
+    cache = KVCache(fmt, config=model.config, backend="reference", dtype=dtype)
+    return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new, do_sample=False)
+
+
+CASES = [  # format, (query heads per KV head, KV heads, head dim)
+    (KVFormat("mse", 4, 3), (1, 2, 64)),
+    (KVFormat("mse", 2, 2, rotation="hadamard"), (3, 3, 64)),
+    (KVFormat("mse", 3, 4, rotation="hadamard"), (8, 1, 128)),
+    (KVFormat("affine", 4, 4), (4, 2, 128)),
+    (KVFormat("affine", 8, 4), (1, 2, 64)),
+]
+
+
+@pytest.mark.parametrize("fmt,shape", CASES, ids=lambda x: x.label if isinstance(x, KVFormat) else "x".join(map(str, x)))
+def test_fused_equals_materialising(fmt, shape):
+    group, kv_heads, head_dim = shape
+    model = tiny_model(group * kv_heads, kv_heads, head_dim)
+    ids = torch.randint(3, VOCAB, (2, 21))  # not a multiple of the block size; 21 + 24 crosses two block boundaries
+    out = generate(model, ids, fmt, 24, backend="reference")
+    assert out.path == "fused" and isinstance(out.cache, PagedKVCache)
+    assert torch.equal(out.sequences, materialised(model, ids, fmt, 24))
+    assert out.cache.get_seq_length() == 21 + 23  # the last token is generated, not stored
+    assert out.cache.layers[0].seq_lens.tolist() == [44, 44]
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("mse", 4, 4), KVFormat("mse", 2, 3, rotation="hadamard"), KVFormat("affine", 4, 8)],
+                         ids=lambda f: f.label)
+def test_triton_backend_equals_reference(fmt):
+    model = tiny_model(4, 2, 64, layers=1)
+    ids = torch.randint(3, VOCAB, (2, 19))
+    ref = generate(model, ids, fmt, 6, backend="reference")
+    tri = generate(model, ids, fmt, 6, backend="triton")
+    assert torch.equal(tri.sequences, ref.sequences)
+    for a, b in zip(tri.cache.layers, ref.cache.layers):  # the kernels stored the reference's bytes
+        assert torch.equal(a.cache, b.cache) and torch.equal(a.seq_lens, b.seq_lens)
+
+
+def test_unequal_prompt_lengths():
+    """A left-padded batch generates what each sequence generates alone (one-token prompt included)."""
+    model = tiny_model(6, 2, 64)
+    fmt = KVFormat("mse", 3, 3)
+    prompts = [torch.randint(3, VOCAB, (n,)) for n in (5, 17, 1)]
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.numel():], mask[i, width - p.numel():] = p, 1
+    batch = generate(model, ids, fmt, 20, attention_mask=mask, backend="reference")
+    assert batch.cache.layers[0].seq_lens.tolist() == [5 + 19, 17 + 19, 1 + 19]  # padding is not stored
+    for i, p in enumerate(prompts):
+        alone = generate(model, p[None], fmt, 20, backend="reference")
+        assert torch.equal(batch.sequences[i, width:], alone.sequences[0, p.numel():]), i
+    assert torch.equal(batch.sequences, materialised(model, ids, fmt, 20, mask))
+
+
+def test_model_generate_with_paged_cache():
+    """transformers' own generate, with the cache and the attention implementation set by hand."""
+    model = tiny_model(4, 2, 64)
+    fmt = KVFormat("mse", 4, 4)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    ours = generate(model, ids, fmt, 12, backend="reference").sequences
+    model.set_attn_implementation("kvlab")
+    cache = PagedKVCache(fmt, config=model.config, batch_size=2, max_length=32, backend="reference")
+    theirs = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(theirs, ours)
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("mse", 4, 3), KVFormat("affine", 4, 4)], ids=lambda f: f.label)
+def test_continuation_prefill(fmt):
+    """Several tokens on a cache that holds a context: causal attention over the stored context."""
+    model = tiny_model(4, 2, 64)
+    first, second = torch.randint(3, VOCAB, (2, 20)), torch.randint(3, VOCAB, (2, 7))
+    model.set_attn_implementation("kvlab")
+    paged = PagedKVCache(fmt, config=model.config, batch_size=2, max_length=40, backend="reference")
+    model(first, cache=paged)
+    a = model(second, cache=paged).logits
+    model.set_attn_implementation("sdpa")
+    dense = KVCache(fmt, config=model.config, backend="reference")
+    model(first, cache=dense)
+    b = model(second, cache=dense).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert paged.get_seq_length() == 27
+
+
+def test_perplexity_through_the_decode_path():
+    model = tiny_model(4, 2, 64)
+    ids = torch.randint(3, VOCAB, (80,))
+    fmt = KVFormat("mse", 3, 3)
+    make = lambda: PagedKVCache(fmt, config=model.config, batch_size=1, max_length=48, backend="reference")
+    step = kvlab.perplexity(model, ids, window=48, stride=16, chunk=1, cache=make)
+    chunked = kvlab.perplexity(model, ids, window=48, stride=16, cache=make)
+    dense = kvlab.perplexity(model, ids, window=48, stride=16, chunk=1,
+                             cache=lambda: KVCache(fmt, config=model.config, backend="reference"))
+    assert abs(step.nll / dense.nll - 1) < 1e-3
+    assert abs(chunked.nll / step.nll - 1) < 1e-3
+    assert model.config._attn_implementation != "kvlab"  # put back
+    assert step.bits_per_element == pytest.approx(fmt.bits_per_element(64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_models(dtype):
+    model = tiny_model(4, 2, 64, dtype=dtype)
+    ids = torch.randint(3, VOCAB, (2, 13))
+    fmt = KVFormat("mse", 4, 4)
+    out = generate(model, ids, fmt, 10, backend="reference")
+    assert torch.equal(out.sequences, materialised(model, ids, fmt, 10, dtype=None))
+
+
+def test_other_formats_take_the_materialising_path():
+    model = tiny_model(4, 2, 64)
+    ids = torch.randint(3, VOCAB, (2, 11))
+    for fmt in (KVFormat("fp16"), KVFormat("affine", 2, key_axis="channel"), KVFormat("affine", 3)):
+        assert fused_support(fmt, 64) is not None
+        out = generate(model, ids, fmt, 8, backend="reference")
+        assert out.path == "materialising" and out.why
+        assert torch.equal(out.sequences, materialised(model, ids, fmt, 8))
+    assert fused_support(KVFormat("mse", 4), 96) is not None  # head dims 64, 128, 256 only
+
+
+def test_eos_pads_the_rest():
+    model = tiny_model(4, 2, 64)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    out = generate(model, ids, KVFormat("mse", 4), 10, backend="reference").sequences
+    eos = int(out[0, 12])
+    cut = generate(model, ids, KVFormat("mse", 4), 10, backend="reference", eos_token_id=eos, pad_token_id=0).sequences
+    first = int((out[0, 9:] == eos).nonzero()[0])
+    assert cut[0, 9 + first] == eos and (cut[0, 10 + first:] == 0).all()
+
+
+def test_bad_inputs_leave_the_cache_as_it_was():
+    model = tiny_model(4, 2, 64)
+    ids = torch.randint(3, VOCAB, (1, 10))
+    model.set_attn_implementation("kvlab")
+    cache = PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=12, backend="reference")
+    model(ids, cache=cache)
+    before = [(layer.cache.clone(), layer.seq_lens.clone(), layer.length) for layer in cache.layers]
+    with pytest.raises(ValueError, match="max_length=12"):
+        model(torch.randint(3, VOCAB, (1, 3)), cache=cache)
+    for layer, (c, s, n) in zip(cache.layers, before):
+        assert torch.equal(layer.cache, c) and torch.equal(layer.seq_lens, s) and layer.length == n
+    with pytest.raises(ValueError, match="attn_implementation='kvlab' needs a kvlab.PagedKVCache"):
+        model(ids, cache=DynamicCache(config=model.config))
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="read by kvlab's attention only"):
+        model(ids, cache=PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=12))
+    kvlab.generation._HANDOFF.layer = None
+
+
+def test_bad_arguments():
+    model = tiny_model(4, 2, 64)
+    cfg = model.config
+    ids = torch.randint(3, VOCAB, (2, 5))
+    with pytest.raises(ValueError, match="cannot hold"):
+        PagedKVCache(KVFormat("fp16"), config=cfg, batch_size=1, max_length=8)
+    with pytest.raises(ValueError, match="batch_size"):
+        PagedKVCache(KVFormat("mse", 4), config=cfg, batch_size=0, max_length=8)
+    with pytest.raises(TypeError, match="fmt"):
+        PagedKVCache("mse", config=cfg, batch_size=1, max_length=8)
+    with pytest.raises(ValueError, match="backend"):
+        PagedKVCache(KVFormat("mse", 4), config=cfg, batch_size=1, max_length=8, backend="cuda")
+    with pytest.raises(TypeError, match="input_ids"):
+        generate(model, ids.float(), KVFormat("mse", 4), 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, ids, KVFormat("mse", 4), 0)
+    with pytest.raises(ValueError, match="attention_mask"):
+        generate(model, ids, KVFormat("mse", 4), 4, attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="no tokens"):
+        generate(model, ids, KVFormat("mse", 4), 4, attention_mask=torch.zeros_like(ids))
+    with pytest.raises(ValueError, match="max_length"):
+        generate(model, ids, KVFormat("mse", 4), 4, max_length=6)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, ids, KVFormat("mse", 4), 4, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="cuda_graph"):
+        generate(model, ids, KVFormat("mse", 4), 4, cuda_graph=True)
+    assert model.config._attn_implementation == "sdpa"  # a failed call puts the attention back
