@@ -94,7 +94,7 @@ from .calibration import ChannelStats
 from .centered_reference import CenteredMSECodec
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .reference import AffineCodec, MSECodec, read_slots, write_slots
-from .rotation import KINDS as ROTATIONS
+from .rotation import KINDS as ROTATIONS, MAX_DIM
 
 __all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
 
@@ -188,6 +188,8 @@ class KVFormat:
                 raise ValueError(f"group_size ({self.group_size}) must divide head_dim ({head_dim}) for codec='affine'")
         if self.codec in MSE_CODECS:
             C.check_int("head_dim", head_dim, minimum=3)
+            if head_dim > MAX_DIM:
+                raise ValueError(f"head_dim must be in [3, {MAX_DIM}] for codec={self.codec!r} (a dense rotation), got {head_dim}")
             if self.rotation == "hadamard" and head_dim & (head_dim - 1):
                 raise ValueError(f"rotation='hadamard' needs a power-of-two head_dim, got {head_dim}")
 
