@@ -114,6 +114,18 @@ def check_fp16_scales(name: str, scales: torch.Tensor, what: str = "norm") -> No
                          f"number); a stored {what} must be 0 or in [{FP16_TINY:.6g}, {FP16_MAX:g}]: scale the input up")
 
 
+def tiny_groups_message(name: str) -> str:
+    return (f"{name} has groups whose largest |value| is nonzero but below {FP16_TINY:.6g} (fp16's smallest normal "
+            f"number); a group's values must be all 0 or reach [{FP16_TINY:.6g}, {FP16_MAX:g}]: scale the input up")
+
+
+def check_tiny_groups(name: str, peak: torch.Tensor) -> None:
+    """Affine groups whose largest ``|value|`` (``peak``) is nonzero but below fp16's smallest normal number:
+    their scale and zero would lose their digits in fp16 (the tiniest decode to zeros), an error as overflow is."""
+    if bool(((peak > 0) & (peak < FP16_TINY)).any()):
+        raise ValueError(tiny_groups_message(name))
+
+
 def check_range(name: str, x: torch.Tensor, dtype: torch.dtype, where: str) -> None:
     """``x`` finite and within ``dtype``'s range, since it is stored as ``dtype`` (one host sync)."""
     if x.numel() == 0:

@@ -695,13 +695,24 @@ def _check_out_dtype(out_dtype) -> None:
         raise TypeError(f"out_dtype must be one of (float16, bfloat16, float32), got {out_dtype}")
 
 
-def _raise_flags(flags: torch.Tensor) -> None:
-    """The one host sync of a checked encode: read the per-program flags."""
-    flag = int(flags.max()) if flags.numel() else 0
+def _tiny_groups(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
+    """Whether some group's largest ``|value|`` is nonzero but below fp16's smallest normal (a 0-d bool tensor)."""
+    if axis == "token":
+        peak = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size).abs().amax(-1)
+    else:
+        peak = x.reshape(*x.shape[:-2], x.shape[-2] // group_size, group_size, x.shape[-1]).abs().amax(-2)
+    return ((peak > 0) & (peak < C.FP16_TINY)).any()
+
+
+def _raise_flags(flags: torch.Tensor, tiny: torch.Tensor) -> None:
+    """The one host sync of a checked encode: read the per-program flags and the tiny-group flag."""
+    flag, small = torch.stack([flags.max().to(torch.int64), tiny.to(torch.int64)]).tolist() if flags.numel() else (0, 0)
     if flag & FLAG_NONFINITE.value:
         raise ValueError("x holds NaN or Inf values; only finite values can be encoded")
     if flag & FLAG_OVERFLOW.value:
         raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
+    if small:
+        raise ValueError(C.tiny_groups_message("x"))
 
 
 def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMENTS) -> int:
@@ -786,7 +797,7 @@ def pack_affine(
             num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     if check:
-        _raise_flags(flags)
+        _raise_flags(flags, _tiny_groups(x, group_size, axis))
     return codes
 
 
@@ -969,7 +980,7 @@ def pack_affine_mixed(
         num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     if check:
-        _raise_flags(flags)
+        _raise_flags(flags, _tiny_groups(x3, layout.group_size, "token"))
     return codes
 
 

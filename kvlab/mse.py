@@ -1308,6 +1308,7 @@ def store_mse(
                           head=_store_head(cache, offset, index_bytes + NORM_BYTES)))
     # check: every written row's norm (rows not written stay 0); else a placeholder, never accessed
     norms = torch.zeros(2, num_rows if check else 1, dtype=torch.float32, device=device)
+    saved = _save_slots(cache, slot_mapping) if check else None  # a failing checked call puts them back
     block_d = _store_block_d(dim)
     grid = (C.cdiv(num_rows, block_rows),)
     gluon = STORE_GLUON and device.type == "cuda" and not _interpreted() and default_tiling
@@ -1351,15 +1352,25 @@ def store_mse(
                 **({} if _interpreted() else _store_compiled_options(codec.bits, num_warps, dim, piece)),
             )
     if check:
-        finite = torch.isfinite(norms)
-        flags = torch.stack([(~finite).any(1), (finite & (norms > C.FP16_MAX)).any(1)], 1).tolist()  # one sync
-        for name, (nonfinite, overflow) in zip(("key", "value"), flags):
-            if nonfinite:
-                raise ValueError(f"{name} holds NaN or Inf values (or vectors whose norm overflows fp32); "
-                                 "only finite values can be encoded")
-            if overflow:
-                raise ValueError(f"{name} has vectors with norm above {C.FP16_MAX:g} (after norm correction: norm / |c|); "
-                                 "it is stored in fp16")
+        try:
+            for name, part_norms in (("key", norms[0]), ("value", norms[1])):
+                C.check_fp16_scales(name, part_norms)
+        except ValueError:
+            _restore_slots(cache, saved)
+            raise
+    C.record_writer(cache, key_codec, value_codec)
+
+
+def _save_slots(cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """The slots ``slot_mapping`` names (in range, checked before) and their bytes, to undo a failed write."""
+    slots = slot_mapping[slot_mapping >= 0].long()
+    block, pos = slots // cache.shape[1], slots % cache.shape[1]
+    return block, pos, cache[block, pos].clone()
+
+
+def _restore_slots(cache: torch.Tensor, saved) -> None:
+    block, pos, data = saved
+    cache[block, pos] = data
 
 
 def _part_layout(codec, part: str, slot_bytes: int):
@@ -1421,6 +1432,8 @@ def load_mse(
         raise ValueError(f"slot_mapping must be 1-D [num_tokens], got shape {tuple(slot_mapping.shape)}")
     num_tokens = slot_mapping.shape[0]
     C.check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, cache.device, values=check)
+    if check:
+        C.check_reader(cache, **{f"{part}_codec": codec})
     # model space: fused (an fp16 product in the kernel) for 16-bit outputs; an exact fp32 GEMM for fp32
     # (tiles of 16 to 128 columns: R^T, at most 32 KB in fp16, is loaded once by every program)
     fused = space == "model" and out_dtype != torch.float32 and 16 <= 8 * _block_g(codec.dim) <= 128

@@ -270,7 +270,7 @@ class AffineCodec:
         zero = lo.to(torch.float16)
         if bool(torch.isinf(scale).any()) or bool(torch.isinf(zero).any()):
             raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
-        check_tiny_groups("x", g.abs().amax(-1))
+        C.check_tiny_groups("x", g.abs().amax(-1))
         s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
         inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)  # one division per group
         q = torch.floor((g - z) * inv + 0.5).clamp(0, self.levels)
@@ -301,15 +301,6 @@ class AffineCodec:
         zero = _fp16_from_bytes(meta[..., 2 * ngroups :].reshape(*meta.shape[:-1], ngroups, 2)).float()
         g = self._grouped(q.float())
         return self._ungrouped(g * scale.unsqueeze(-1) + zero.unsqueeze(-1), q.shape)
-
-
-def check_tiny_groups(name: str, peak: torch.Tensor) -> None:
-    """Affine groups whose largest ``|value|`` is nonzero but below fp16's smallest normal number: their
-    scale and zero would lose their digits in fp16 (the tiniest decode to zeros), an error as overflow is."""
-    if bool(((peak > 0) & (peak < C.FP16_TINY)).any()):
-        raise ValueError(f"{name} has groups whose largest |value| is nonzero but below {C.FP16_TINY:.6g} (fp16's smallest "
-                         f"normal number); a group's values must be all 0 or reach [{C.FP16_TINY:.6g}, {C.FP16_MAX:g}]: "
-                         "scale the input up")
 
 
 # ----------------------------------------------------------------------------- paged cache
