@@ -34,7 +34,9 @@ How
     return the correctly rounded quotient: ``tests/test_affine_kernels.py`` checks the first for every
     fp32 significand and the second for every fp16 scale. All address arithmetic is int64. With
     ``check=True`` each program also writes a flag (NaN/Inf input, fp16 overflow of a scale or zero)
-    that the launcher reads once after the launch; ``check=False`` skips that host sync.
+    that the launcher reads once after the launch, with a flag of groups whose largest ``|value|`` is
+    nonzero but below fp16's smallest normal number (the other end of the range: an error too);
+    ``check=False`` skips that host sync.
 
 Reference
     ``kvlab.reference.AffineCodec`` (this module does not import it); tests in
@@ -740,8 +742,8 @@ def pack_affine(
     ``axis="token"``: x ``[..., dim]`` -> uint8 ``[..., code_bytes]``; ``axis="channel"``: x
     ``[..., tokens, dim]`` -> uint8 ``[..., tokens / group_size, code_bytes]``
     (``code_bytes = affine_code_bytes(dim, bits, group_size, axis)``). A non-contiguous x is copied
-    to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input or fp16-overflowing
-    groups (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
+    to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input, fp16-overflowing
+    groups or nonzero groups whose largest ``|value|`` is below 6.1e-05 (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
     ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two, at most
     65536 elements per program, and ``num_warps`` (default: about 1024 elements per program on the
     token axis, 8 vectors of 128; on the channel axis 2 codes of 32 x 128 at 2 and 3 bits, 1 at 4 and

@@ -1020,8 +1020,12 @@ def decode_attention(
     the dims) are the rows of the matrix products, 64 or more, so that on Hopper Triton can issue them as
     warpgroup MMAs (``wgmma``, at least 64 rows) instead of padding the query group to 16-row ``mma``
     tiles; the result is the same up to float rounding.
-    ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
-    ``check=False`` never syncs and reads whatever blocks the table names.
+    ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync), that
+    the codecs are those that wrote the cache (where a launcher recorded them), and whether the
+    pre-scaled fp16 query overflows (a large ``scale`` or ``q``: it is then divided by a power of two
+    and the scores multiplied back); ``check=False`` never syncs, clamps block-table entries into
+    ``[0, num_blocks)`` and lengths into ``[0, max_blocks * block_size]`` so that no read leaves the
+    cache (such inputs give unspecified numbers), and needs ``q * scale`` within fp16 after the rotation.
 
     ``mma`` picks the loop: ``True`` the loop of ``kvlab.decode_mma`` (MSE keys and values of 2, 3 or 4
     bits, dim 64 or 128 (2-bit values, 3-bit keys or values: 128), at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the

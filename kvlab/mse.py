@@ -88,10 +88,13 @@ Reference
 
 Checks
     With ``check=True`` (the default) the launchers also check values, which costs one host sync per
-    call: slot numbers in range (before the launch) and, for ``store_mse``, NaN/Inf inputs and norms
-    that overflow fp16 (the kernel writes each row's norm, the launcher checks them after the launch;
-    the call's slots are then already written). ``check=False`` skips every value check and never syncs;
-    the kernels still skip out-of-range slots instead of writing outside the cache.
+    call: slot numbers in range (before the launch) and, for ``store_mse``, NaN/Inf inputs and stored
+    norms outside fp16's normal range, above 65504 or nonzero below 6.1e-05 (the kernel writes each
+    row's norm, the launcher checks them after the launch and, if one is bad, puts the call's slots back
+    as they were before raising). ``store_mse`` records the key and value codecs that wrote the cache
+    and a checked ``load_mse`` refuses a codec of another identity (``kvlab._checks.check_reader``).
+    ``check=False`` skips every value check and never syncs; the kernels still skip out-of-range slots
+    instead of writing outside the cache.
 """
 
 from __future__ import annotations
@@ -1241,8 +1244,9 @@ def store_mse(
     key_codec.encode(key), value_codec.encode(value), layout)``.
 
     ``check=True`` (default) also checks values, with one host sync: slots in ``[-1, num_slots)``,
-    and no NaN/Inf or norm above 65504 in the written rows of ``key``/``value`` (ValueError, raised
-    after the launch: the call's slots are then written). Rows with slot -1 are not checked.
+    and no NaN/Inf, norm above 65504 or nonzero norm below 6.1e-05 in the written rows of
+    ``key``/``value`` (ValueError, raised after the launch, once the call's slots are put back as they
+    were). Rows with slot -1 are not checked.
     ``check=False`` skips those checks and never syncs; out-of-range slots are then skipped silently.
 
     Hadamard codecs (``codec.hadamard_signs`` set) are rotated inside the kernel, from the input
@@ -1407,7 +1411,8 @@ def load_mse(
     of 9 to 128, else as one batched fp32 GEMM after the kernel). Rows whose slot is
     ``-1`` (or, with ``check=False``, out of range) come out as zeros. The other part's bit width is
     inferred from the cache's ``slot_bytes``. ``check=True`` (default) checks the slot range with
-    one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 2048
+    one host sync, and that ``codec`` is the codec that wrote ``part`` (when ``store_mse`` wrote the
+    cache); ``check=False`` does not sync. ``block_rows`` (a power of two; default 2048
     elements per tile, 16 rows of 128; in model space 64 rows) and ``num_warps`` (default one warp,
     two for 2-bit codes; four in model space) tune the launch (the defaults were the fastest on an
     H200, ``benchmarks/bench_launch_configs.py --only mse_load``).

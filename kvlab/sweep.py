@@ -1048,8 +1048,15 @@ def plot_results(rows: list[dict], parameters: list[str], path) -> Path | None:
     else:
         fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")  # a name of its own
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     return path
 
 
@@ -1062,7 +1069,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a notebook over a grid of parameters with papermill; collect the glued scalars into results.csv.",
         epilog="Values: True/False/None (any case), integers, floats (1e-3, inf), quoted strings or Python "
                "list literals, else plain strings; comma-separated outside quotes and brackets. "
-               "Exit code: 0 all runs succeeded, 1 some run failed, 2 bad arguments.",
+               "Exit code: 0 all runs succeeded, 1 some run failed, 2 bad arguments, 130 interrupted, "
+               "143 terminated (SIGTERM).",
     )
     ap.add_argument("notebook", help="the notebook to run (.ipynb with a cell tagged 'parameters')")
     ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUES"),
