@@ -115,14 +115,20 @@ def check_fp16_scales(name: str, scales: torch.Tensor, what: str = "norm") -> No
 
 
 def tiny_groups_message(name: str) -> str:
-    return (f"{name} has groups whose largest |value| is nonzero but below {FP16_TINY:.6g} (fp16's smallest normal "
-            f"number); a group's values must be all 0 or reach [{FP16_TINY:.6g}, {FP16_MAX:g}]: scale the input up")
+    return (f"{name} has groups of nonzero values whose fp16 scale and zero both underflow to 0 (values of "
+            f"magnitude below about {2.0**-25:.3g}), so they would decode to zeros; a group's scale and zero "
+            f"must round to a nonzero fp16 number (up to {FP16_MAX:g}) unless all its values are 0: scale the input up")
 
 
-def check_tiny_groups(name: str, peak: torch.Tensor) -> None:
-    """Affine groups whose largest ``|value|`` (``peak``) is nonzero but below fp16's smallest normal number:
-    their scale and zero would lose their digits in fp16 (the tiniest decode to zeros), an error as overflow is."""
-    if bool(((peak > 0) & (peak < FP16_TINY)).any()):
+def tiny_groups(scale16: torch.Tensor, zero16: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """Affine groups (``peak``: largest ``|value|``) that are not all zero but whose fp16 scale and zero are both 0."""
+    return ((peak > 0) & (scale16 == 0) & (zero16 == 0)).any()
+
+
+def check_tiny_groups(name: str, scale16: torch.Tensor, zero16: torch.Tensor, peak: torch.Tensor) -> None:
+    """The lower end of fp16's range for affine metadata, an error as overflow is: a nonzero group whose scale and
+    zero both underflow to 0 would decode to zeros (subnormal scales are kept: they decode to the right values)."""
+    if bool(tiny_groups(scale16, zero16, peak)):
         raise ValueError(tiny_groups_message(name))
 
 

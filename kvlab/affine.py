@@ -34,8 +34,8 @@ How
     return the correctly rounded quotient: ``tests/test_affine_kernels.py`` checks the first for every
     fp32 significand and the second for every fp16 scale. All address arithmetic is int64. With
     ``check=True`` each program also writes a flag (NaN/Inf input, fp16 overflow of a scale or zero)
-    that the launcher reads once after the launch, with a flag of groups whose largest ``|value|`` is
-    nonzero but below fp16's smallest normal number (the other end of the range: an error too);
+    that the launcher reads once after the launch, with a flag of nonzero groups whose fp16 scale and
+    zero both underflow to 0 (the other end of the range, where such a group would decode to zeros);
     ``check=False`` skips that host sync.
 
 Reference
@@ -697,13 +697,16 @@ def _check_out_dtype(out_dtype) -> None:
         raise TypeError(f"out_dtype must be one of (float16, bfloat16, float32), got {out_dtype}")
 
 
-def _tiny_groups(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
-    """Whether some group's largest ``|value|`` is nonzero but below fp16's smallest normal (a 0-d bool tensor)."""
+def _tiny_groups(x: torch.Tensor, bits: int, group_size: int, axis: str) -> torch.Tensor:
+    """Whether some nonzero group's fp16 scale and zero both underflow to 0 (a 0-d bool tensor; the reference's
+    arithmetic: ``(hi - lo) / levels`` and ``lo`` in fp32, rounded to fp16)."""
+    x = x.float()
     if axis == "token":
-        peak = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size).abs().amax(-1)
+        g = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
     else:
-        peak = x.reshape(*x.shape[:-2], x.shape[-2] // group_size, group_size, x.shape[-1]).abs().amax(-2)
-    return ((peak > 0) & (peak < C.FP16_TINY)).any()
+        g = x.reshape(*x.shape[:-2], x.shape[-2] // group_size, group_size, x.shape[-1]).transpose(-1, -2)
+    lo, hi = g.amin(-1), g.amax(-1)
+    return C.tiny_groups(((hi - lo) / ((1 << bits) - 1)).to(torch.float16), lo.to(torch.float16), g.abs().amax(-1))
 
 
 def _raise_flags(flags: torch.Tensor, tiny: torch.Tensor) -> None:
@@ -743,7 +746,7 @@ def pack_affine(
     ``[..., tokens, dim]`` -> uint8 ``[..., tokens / group_size, code_bytes]``
     (``code_bytes = affine_code_bytes(dim, bits, group_size, axis)``). A non-contiguous x is copied
     to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input, fp16-overflowing
-    groups or nonzero groups whose largest ``|value|`` is below 6.1e-05 (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
+    groups or nonzero groups whose fp16 scale and zero both underflow to 0 (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
     ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two, at most
     65536 elements per program, and ``num_warps`` (default: about 1024 elements per program on the
     token axis, 8 vectors of 128; on the channel axis 2 codes of 32 x 128 at 2 and 3 bits, 1 at 4 and
@@ -799,7 +802,7 @@ def pack_affine(
             num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     if check:
-        _raise_flags(flags, _tiny_groups(x, group_size, axis))
+        _raise_flags(flags, _tiny_groups(x, bits, group_size, axis))
     return codes
 
 
@@ -982,7 +985,9 @@ def pack_affine_mixed(
         num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     if check:
-        _raise_flags(flags, _tiny_groups(x3, layout.group_size, "token"))
+        tiny = torch.stack([_tiny_groups(x3[:, h], b, layout.group_size, "token")
+                            for h, b in enumerate(layout.bit_alloc)]).any()
+        _raise_flags(flags, tiny)
     return codes
 
 

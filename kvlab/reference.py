@@ -270,7 +270,7 @@ class AffineCodec:
         zero = lo.to(torch.float16)
         if bool(torch.isinf(scale).any()) or bool(torch.isinf(zero).any()):
             raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
-        C.check_tiny_groups("x", g.abs().amax(-1))
+        C.check_tiny_groups("x", scale, zero, g.abs().amax(-1))
         s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
         inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)  # one division per group
         q = torch.floor((g - z) * inv + 0.5).clamp(0, self.levels)

@@ -296,8 +296,8 @@ def test_nan_states_are_an_error():
 @pytest.mark.parametrize("fmt, options", [
     (KVFormat("mse", 3, 2), {}),
     (KVFormat("mse", 4), {"residual": 1}),
-    (KVFormat("affine", 4), {}),
-    (KVFormat("affine", 2, key_axis="channel", group_size=8), {"residual": 0}),
+    (KVFormat("affine", 4), {"dtype": torch.float32}),
+    (KVFormat("affine", 2, key_axis="channel", group_size=8), {"dtype": torch.float32}),
 ])
 def test_a_failed_update_leaves_the_cache_as_it_was(fmt, options):
     cache = small_cache(fmt, layers=2, **options)
@@ -308,9 +308,9 @@ def test_a_failed_update_leaves_the_cache_as_it_was(fmt, options):
         k[0, 1, 0] = 60000.0  # every element fits fp16, the vector's norm does not
         match = "norm above 65504"
     else:
-        k[0, 1, 0, :] = 1e-7  # a group of tiny values: its scale and zero would underflow fp16
-        k[0, 1, :, :8] = 1e-7
-        match = "below 6.10352e-05"
+        k[0, 1, 0, :] = 1e-9  # a group of tiny values: its scale and zero would underflow fp16 to 0
+        k[0, 1, :, :8] = 1e-9
+        match = "scale and zero both underflow to 0"
     assert_fails_unchanged(cache, lambda: cache.update(k, v, 1), ValueError, match)
     # and the cache goes on: the same update without the bad token works, lengths add up
     good_k, good_v = states(8 if fmt.key_axis == "channel" else 3, seed=1)
@@ -550,16 +550,29 @@ def test_mse_zero_and_smallest_normal_vectors_encode():
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])
-def test_affine_tiny_groups_are_errors_reference_and_kernel_alike(axis):
+def test_affine_groups_decoding_to_zeros_are_errors_reference_and_kernel_alike(axis):
     x = torch.randn(32, DIM)
-    x[:, :32] *= 1e-7
-    x[:32 if axis == "channel" else 1, :32] = 1e-7 if axis == "token" else x[:32, :32]
+    x[:, :32] *= 1e-9  # token axis: every row's first group; channel axis: channels 0-31 of the token group
     codec = kvlab.AffineCodec(4, 32, axis)
-    with pytest.raises(ValueError, match="below 6.10352e-05"):
+    with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
         codec.encode(x)
-    with pytest.raises(ValueError, match="below 6.10352e-05"):
+    with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
         kvlab.pack_affine(x, 4, 32, axis)
-    assert torch.equal(kvlab.pack_affine(torch.zeros(32, DIM), 4, 32, axis), codec.encode(torch.zeros(32, DIM)))
+    # zeros are exact, and a subnormal scale (range 3e-6) decodes to the right values
+    zeros = torch.zeros(32, DIM)
+    assert torch.equal(kvlab.pack_affine(zeros, 4, 32, axis), codec.encode(zeros))
+    small = torch.rand(32, DIM) * 3e-6
+    codes = kvlab.pack_affine(small, 4, 32, axis)
+    assert torch.equal(codes, codec.encode(small))
+    assert float((codec.decode(codes, DIM) - small).norm() / small.norm()) < 0.2  # not zeros (error 1.0)
+
+
+def test_mixed_affine_groups_decoding_to_zeros_are_errors():
+    layout = kvlab.MixedAffineLayout([4, 8], DIM, 32)
+    x = torch.randn(3, 2, DIM)
+    x[1, 1, 32:] = 1e-9
+    with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
+        kvlab.pack_affine_mixed(x, layout)
 
 
 def test_store_mse_tiny_vectors_are_an_error_and_the_cache_is_unchanged():
