@@ -6,6 +6,7 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument and what 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -165,8 +166,6 @@ def check_codes(name: str, codes, bits: int) -> torch.Tensor:
 # key and value codecs that wrote it (keyed by its storage); a checked read with codecs of another identity
 # (other bits in a slot of the same size, another rotation or seed) is an error instead of wrong numbers.
 # A write of codes whose codecs are not known (``kvlab.reference.write_slots``) forgets the record.
-import weakref  # noqa: E402
-
 _WRITERS: dict = {}
 
 
