@@ -6,6 +6,7 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument and what 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -87,3 +88,137 @@ def check_slot_mapping(slot_mapping, num_tokens: int, num_slots: int, device, va
         raise ValueError(
             f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) for a cache of {num_slots} slots"
         )
+
+
+# ----------------------------------------------------------------------------- the ends of fp16's range
+
+FP16_TINY = 2.0**-14  # fp16's smallest normal number: a smaller stored scale loses its precision, then becomes 0
+
+
+def check_fp16_scales(name: str, scales: torch.Tensor, what: str = "norm") -> None:
+    """Stored fp16 scales: each must be 0 or in ``[FP16_TINY, FP16_MAX]`` (one host sync).
+
+    Both ends of the range are errors alike: above it a scale would be ``inf``, below it it would lose
+    its digits and, for the tiniest inputs, decode to zeros.
+    """
+    finite = torch.isfinite(scales)
+    flags = torch.stack([(~finite).any(), (finite & (scales > FP16_MAX)).any(),
+                         ((scales > 0) & (scales < FP16_TINY)).any()]).tolist()
+    if flags[0]:
+        raise ValueError(f"{name} holds NaN or Inf values (or vectors whose {what} overflows fp32); "
+                         "only finite values can be encoded")
+    if flags[1]:
+        raise ValueError(f"{name} has vectors with {what} above {FP16_MAX:g} (after norm correction: norm / |c|); "
+                         "it is stored in fp16")
+    if flags[2]:
+        raise ValueError(f"{name} has nonzero vectors with {what} below {FP16_TINY:.6g} (fp16's smallest normal "
+                         f"number); a stored {what} must be 0 or in [{FP16_TINY:.6g}, {FP16_MAX:g}]: scale the input up")
+
+
+def tiny_groups_message(name: str) -> str:
+    return (f"{name} has groups of nonzero values whose fp16 scale and zero both underflow to 0 (values of "
+            f"magnitude below about {2.0**-25:.3g}), so they would decode to zeros; a group's scale and zero "
+            f"must round to a nonzero fp16 number (up to {FP16_MAX:g}) unless all its values are 0: scale the input up")
+
+
+def tiny_groups(scale16: torch.Tensor, zero16: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """Affine groups (``peak``: largest ``|value|``) that are not all zero but whose fp16 scale and zero are both 0."""
+    return ((peak > 0) & (scale16 == 0) & (zero16 == 0)).any()
+
+
+def check_tiny_groups(name: str, scale16: torch.Tensor, zero16: torch.Tensor, peak: torch.Tensor) -> None:
+    """The lower end of fp16's range for affine metadata, an error as overflow is: a nonzero group whose scale and
+    zero both underflow to 0 would decode to zeros (subnormal scales are kept: they decode to the right values)."""
+    if bool(tiny_groups(scale16, zero16, peak)):
+        raise ValueError(tiny_groups_message(name))
+
+
+def check_range(name: str, x: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+    """``x`` finite and within ``dtype``'s range, since it is stored as ``dtype`` (one host sync)."""
+    if x.numel() == 0:
+        return
+    top = torch.finfo(dtype).max
+    peak = float(x.detach().abs().amax())
+    if not peak <= top:  # NaN fails too
+        dname = str(dtype).replace("torch.", "")
+        if peak != peak or peak == float("inf"):
+            raise ValueError(f"{name} holds NaN or Inf values; only finite values can be stored")
+        raise ValueError(f"{name} holds values up to {peak:g}, beyond {dname}'s range (|x| <= {top:g}) of {where}")
+
+
+# ----------------------------------------------------------------------------- integer arguments
+
+
+def check_codes(name: str, codes, bits: int) -> torch.Tensor:
+    """Integer codes, each in ``[0, 2**bits)`` (one host sync)."""
+    check_tensor(name, codes, (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
+    if codes.dim() < 1:
+        raise ValueError(f"{name} must have at least 1 dimension, got shape {tuple(codes.shape)}")
+    if codes.numel() and bool(((codes < 0) | (codes >= (1 << bits))).any()):
+        raise ValueError(f"{name} values must be integers in [0, {1 << bits}) for bits={bits}, "
+                         f"got range [{int(codes.min())}, {int(codes.max())}]")
+    return codes
+
+
+# ----------------------------------------------------------------------------- who wrote a cache
+
+# A paged cache is a plain uint8 tensor. The launchers that write codes into it record the identity of the
+# key and value codecs that wrote it (keyed by its storage); a checked read with codecs of another identity
+# (other bits in a slot of the same size, another rotation or seed) is an error instead of wrong numbers.
+# A write of codes whose codecs are not known (``kvlab.reference.write_slots``) forgets the record.
+_WRITERS: dict = {}
+
+
+def codec_identity(codec):
+    """What a decoder must agree on: the kind of codec, its dim, bits, rotation and seed (None: unknown)."""
+    if codec is None:
+        return None
+    mse = getattr(codec, "mse", None)
+    if mse is not None and hasattr(codec, "mean"):  # a centred key codec: its MSE codec, and a turning mean or not
+        return ("centered", codec_identity(mse), getattr(codec, "rope", None) is not None)
+    if hasattr(codec, "axis") and hasattr(codec, "group_size"):
+        return ("affine", getattr(codec, "bits", None), codec.group_size, codec.axis)
+    return ("mse", getattr(codec, "dim", None), getattr(codec, "bits", None), getattr(codec, "rotation_kind", None),
+            getattr(codec, "seed", None), getattr(codec, "norm_correction", None))
+
+
+def _describe(identity) -> str:
+    if identity is None:
+        return "unknown"
+    if identity[0] == "centered":
+        return f"centered({_describe(identity[1])}{', rope' if identity[2] else ''})"
+    if identity[0] == "affine":
+        return f"affine(bits={identity[1]}, group_size={identity[2]}, axis={identity[3]!r})"
+    _, dim, bits, rotation, seed, correction = identity
+    return f"mse(dim={dim}, bits={bits}, rotation={rotation!r}, seed={seed}, norm_correction={correction})"
+
+
+def _storage_key(cache: torch.Tensor):
+    return (str(cache.device), cache.untyped_storage().data_ptr())
+
+
+def record_writer(cache: torch.Tensor, key_codec, value_codec) -> None:
+    """Remember that ``key_codec`` / ``value_codec`` wrote ``cache`` (None: forget who did)."""
+    key = _storage_key(cache)
+    if key_codec is None:
+        _WRITERS.pop(key, None)
+        return
+    _WRITERS[key] = (weakref.ref(cache), codec_identity(key_codec), codec_identity(value_codec))
+
+
+def check_reader(cache: torch.Tensor, key_codec=None, value_codec=None) -> None:
+    """Raise if ``cache`` was last written with codecs other than the given ones (None: not read)."""
+    entry = _WRITERS.get(_storage_key(cache))
+    if entry is None:
+        return
+    ref, key_id, value_id = entry
+    if ref() is None:  # the tensor that was written is gone: its storage was freed and may be reused
+        _WRITERS.pop(_storage_key(cache), None)
+        return
+    for part, codec, written in (("key_codec", key_codec, key_id), ("value_codec", value_codec, value_id)):
+        if codec is None:
+            continue
+        given = codec_identity(codec)
+        if given != written:
+            raise ValueError(f"{part} must be the codec that wrote this cache, {_describe(written)}; "
+                             f"got {_describe(given)}")

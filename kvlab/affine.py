@@ -34,7 +34,9 @@ How
     return the correctly rounded quotient: ``tests/test_affine_kernels.py`` checks the first for every
     fp32 significand and the second for every fp16 scale. All address arithmetic is int64. With
     ``check=True`` each program also writes a flag (NaN/Inf input, fp16 overflow of a scale or zero)
-    that the launcher reads once after the launch; ``check=False`` skips that host sync.
+    that the launcher reads once after the launch, with a flag of nonzero groups whose fp16 scale and
+    zero both underflow to 0 (the other end of the range, where such a group would decode to zeros);
+    ``check=False`` skips that host sync.
 
 Reference
     ``kvlab.reference.AffineCodec`` (this module does not import it); tests in
@@ -695,13 +697,27 @@ def _check_out_dtype(out_dtype) -> None:
         raise TypeError(f"out_dtype must be one of (float16, bfloat16, float32), got {out_dtype}")
 
 
-def _raise_flags(flags: torch.Tensor) -> None:
-    """The one host sync of a checked encode: read the per-program flags."""
-    flag = int(flags.max()) if flags.numel() else 0
+def _tiny_groups(x: torch.Tensor, bits: int, group_size: int, axis: str) -> torch.Tensor:
+    """Whether some nonzero group's fp16 scale and zero both underflow to 0 (a 0-d bool tensor; the reference's
+    arithmetic: ``(hi - lo) / levels`` and ``lo`` in fp32, rounded to fp16)."""
+    x = x.float()
+    if axis == "token":
+        g = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    else:
+        g = x.reshape(*x.shape[:-2], x.shape[-2] // group_size, group_size, x.shape[-1]).transpose(-1, -2)
+    lo, hi = g.amin(-1), g.amax(-1)
+    return C.tiny_groups(((hi - lo) / ((1 << bits) - 1)).to(torch.float16), lo.to(torch.float16), g.abs().amax(-1))
+
+
+def _raise_flags(flags: torch.Tensor, tiny: torch.Tensor) -> None:
+    """The one host sync of a checked encode: read the per-program flags and the tiny-group flag."""
+    flag, small = torch.stack([flags.max().to(torch.int64), tiny.to(torch.int64)]).tolist() if flags.numel() else (0, 0)
     if flag & FLAG_NONFINITE.value:
         raise ValueError("x holds NaN or Inf values; only finite values can be encoded")
     if flag & FLAG_OVERFLOW.value:
         raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
+    if small:
+        raise ValueError(C.tiny_groups_message("x"))
 
 
 def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMENTS) -> int:
@@ -729,8 +745,8 @@ def pack_affine(
     ``axis="token"``: x ``[..., dim]`` -> uint8 ``[..., code_bytes]``; ``axis="channel"``: x
     ``[..., tokens, dim]`` -> uint8 ``[..., tokens / group_size, code_bytes]``
     (``code_bytes = affine_code_bytes(dim, bits, group_size, axis)``). A non-contiguous x is copied
-    to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input or fp16-overflowing
-    groups (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
+    to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input, fp16-overflowing
+    groups or nonzero groups whose fp16 scale and zero both underflow to 0 (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
     ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two, at most
     65536 elements per program, and ``num_warps`` (default: about 1024 elements per program on the
     token axis, 8 vectors of 128; on the channel axis 2 codes of 32 x 128 at 2 and 3 bits, 1 at 4 and
@@ -786,7 +802,7 @@ def pack_affine(
             num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     if check:
-        _raise_flags(flags)
+        _raise_flags(flags, _tiny_groups(x, bits, group_size, axis))
     return codes
 
 
@@ -969,7 +985,9 @@ def pack_affine_mixed(
         num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     if check:
-        _raise_flags(flags)
+        tiny = torch.stack([_tiny_groups(x3[:, h], b, layout.group_size, "token")
+                            for h, b in enumerate(layout.bit_alloc)]).any()
+        _raise_flags(flags, tiny)
     return codes
 
 

@@ -94,7 +94,7 @@ from .calibration import ChannelStats
 from .centered_reference import CenteredMSECodec
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .reference import AffineCodec, MSECodec, read_slots, write_slots
-from .rotation import KINDS as ROTATIONS
+from .rotation import KINDS as ROTATIONS, MAX_DIM
 
 __all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
 
@@ -188,6 +188,8 @@ class KVFormat:
                 raise ValueError(f"group_size ({self.group_size}) must divide head_dim ({head_dim}) for codec='affine'")
         if self.codec in MSE_CODECS:
             C.check_int("head_dim", head_dim, minimum=3)
+            if head_dim > MAX_DIM:
+                raise ValueError(f"head_dim must be in [3, {MAX_DIM}] for codec={self.codec!r} (a dense rotation), got {head_dim}")
             if self.rotation == "hadamard" and head_dim & (head_dim - 1):
                 raise ValueError(f"rotation='hadamard' needs a power-of-two head_dim, got {head_dim}")
 
@@ -478,19 +480,75 @@ class KVCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens; return the keys and values attention uses (see the module docstring)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape != value_states.shape or key_states.shape[0] != self.batch:
-            raise ValueError(
-                f"key_states and value_states must both be [{self.batch}, {self.num_heads}, tokens, {self.head_dim}], "
-                f"got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
-            )
-        first = self.length == 0
-        self._store(key_states, value_states)
-        if first and self.prefill == "exact":
-            return key_states, value_states
-        return self._read(key_states.dtype)
+        """Store the new tokens; return the keys and values attention uses (see the module docstring).
+
+        The inputs are checked first (``_check_states``); a call that raises leaves the layer exactly as it was.
+        """
+        self._check_states(key_states, value_states)
+        saved = self._snapshot()
+        try:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            first = self.length == 0
+            self._store(key_states, value_states)
+            if first and self.prefill == "exact":
+                return key_states, value_states
+            return self._read(key_states.dtype)
+        except BaseException:
+            self._restore(saved)
+            raise
+
+    def _check_states(self, key_states, value_states) -> None:
+        """Types, dtypes, shapes and devices of an update, and values that the layer can store (one host sync)."""
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            C.check_tensor(name, x, C.FLOAT_DTYPES)
+            if x.dim() != 4:
+                raise ValueError(f"{name} must be [batch, {self.num_heads}, tokens, {self.head_dim}] "
+                                 f"(batch, KV heads, tokens, head_dim), got shape {tuple(x.shape)}")
+        batch = self.batch if self.is_initialized else key_states.shape[0]
+        want = f"[{batch}, {self.num_heads}, tokens, {self.head_dim}]"
+        if key_states.shape[0] != batch or key_states.shape[1:2] + key_states.shape[3:] != (self.num_heads, self.head_dim):
+            raise ValueError(f"key_states must be {want} (the batch of the layer's first update, its KV heads and head_dim), "
+                             f"got shape {tuple(key_states.shape)}")
+        if value_states.shape != key_states.shape:
+            raise ValueError(f"value_states must have the shape of key_states {tuple(key_states.shape)}, "
+                             f"got {tuple(value_states.shape)}")
+        if value_states.dtype != key_states.dtype:
+            raise TypeError(f"value_states must have the dtype of key_states ({key_states.dtype}), got {value_states.dtype}")
+        C.check_same_device(key_states=key_states, value_states=value_states)
+        if self.is_initialized and key_states.device != self.device:
+            raise ValueError(f"key_states must be on {self.device} (the device of the layer's first update), "
+                             f"got {key_states.device}")
+        store = self.store_dtype or key_states.dtype
+        top = torch.finfo(store).max
+        if key_states.numel():
+            peaks = torch.stack([key_states.detach().abs().amax().float(), value_states.detach().abs().amax().float()])
+            for name, peak in zip(("key_states", "value_states"), peaks.tolist()):  # one sync
+                if peak != peak or peak == float("inf"):
+                    raise ValueError(f"{name} holds NaN or Inf values; only finite values can be stored")
+                if peak > top:
+                    dname = str(store).replace("torch.", "")
+                    raise ValueError(f"{name} holds values up to {peak:g}, beyond {dname}'s range (|x| <= {top:g}), "
+                                     f"the dtype of the cache's unquantized parts: pass KVCache(dtype=torch.float32) "
+                                     f"or dtype=None (the model's dtype)")
+
+    def _snapshot(self):
+        """What ``_restore`` needs to undo a failed update (tensors are replaced, not written in place, except the
+        paged MSE cache, whose checked writes undo themselves)."""
+        parts = {name: dict(part.__dict__) for name in ("k_codes", "v_codes", "mse")
+                 if (part := self.__dict__.get(name)) is not None}
+        if "mse" in parts:
+            parts["mse"]["block_table"] = [list(t) for t in self.mse.block_table]
+        return dict(self.__dict__), parts
+
+    def _restore(self, saved) -> None:
+        state, parts = saved
+        self.__dict__.clear()
+        self.__dict__.update(state)
+        for name, fields in parts.items():
+            part = getattr(self, name)
+            part.__dict__.clear()
+            part.__dict__.update(fields)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         into_sink = min(max(0, self.sink - self.length), k.shape[2])
@@ -683,6 +741,13 @@ class KVCache(Cache):
             for i, f in enumerate(formats)
         ]
         super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store the new tokens of layer ``layer_idx``; return what attention uses (``KVCacheLayer.update``)."""
+        C.check_int("layer_idx", layer_idx)
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def __repr__(self) -> str:
         labels = sorted({f.label for f in self.formats})

@@ -284,18 +284,19 @@ def _load_norm(cache_ptr, o_at, m_n):
 
 
 @triton.jit
-def _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+def _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, num_blocks,
                   BLOCK_SIZE: tl.constexpr):
     """Keys ``o_n`` of sequence ``i_b`` -> (valid below ``end``, byte offset of each one's slot of KV head
     ``i_h`` in the cache, int64), through the block table."""
     m_n = o_n < end
     b_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
+    b_blk = tl.minimum(tl.maximum(b_blk, 0), num_blocks - 1)  # unchecked tables: never outside the cache
     return m_n, b_blk * stride_block + (o_n % BLOCK_SIZE) * stride_pos + i_h * stride_head
 
 
 @triton.jit
 def _fetch_tile(
-    cache_ptr, block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    cache_ptr, block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, num_blocks, q_unscale,
     BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
     KEY_NORM_OFFSET: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_NORM_OFFSET: tl.constexpr,
     VALUE_ALIGN4: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
@@ -303,7 +304,7 @@ def _fetch_tile(
     """The memory reads of one MSE step: keys ``o_n`` ([BLOCK_N] positions, valid below ``end``) ->
     key words (3), key norms, value words (3), value norms, as ``_attend_mse`` takes them."""
     m_n, o_slot = _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
-                                BLOCK_SIZE)
+                                num_blocks, BLOCK_SIZE)
     if FAST:
         k0, k1, k2 = _mse_words(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, True)
         v0, v1, v2 = _mse_words(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, VALUE_ALIGN4)
@@ -311,7 +312,7 @@ def _fetch_tile(
         b_none = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
         k0, k1, k2 = _mse_bytes(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K), b_none, b_none
         v0, v1, v2 = _mse_bytes(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V), b_none, b_none
-    b_kn = _load_norm(cache_ptr, o_slot + KEY_NORM_OFFSET, m_n)
+    b_kn = _load_norm(cache_ptr, o_slot + KEY_NORM_OFFSET, m_n) * q_unscale
     b_vn = _load_norm(cache_ptr, o_slot + VALUE_NORM_OFFSET, m_n)
     return k0, k1, k2, b_kn, v0, v1, v2, b_vn
 
@@ -398,7 +399,7 @@ def _attend_mse(
 @triton.jit
 def _mse_step(
     cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2, b_vn,
-    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, num_blocks, q_unscale,
     bias_ptr, o_bias, m_g, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
     KEY_NORM_OFFSET: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_NORM_OFFSET: tl.constexpr, VALUE_ALIGN4: tl.constexpr,
     BLOCK_N: tl.constexpr, FAST: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
@@ -409,7 +410,7 @@ def _mse_step(
     o_nb = tl.arange(0, BLOCK_N)
     nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _fetch_tile(
         cache_ptr, block_table_ptr, n0 + PREFETCH * BLOCK_N + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos,
-        stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST)
+        stride_head, num_blocks, q_unscale, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST)
     if not PREFETCH:
         k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
     b_m, b_l, b_acc = _attend_mse(
@@ -421,16 +422,16 @@ def _mse_step(
 
 @triton.jit
 def _attend_affine(
-    cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+    cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, num_blocks, q_unscale,
     BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP: tl.constexpr,
     VALUE_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, FAST: tl.constexpr,
 ):
     """One step over token-axis affine codes: dequantize ``n s + z`` per group tile, then the same update
     (``FAST``: in fp16 pairs, ``_affine_tile_fast``)."""
     m_n, o_slot = _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
-                                BLOCK_SIZE)
+                                num_blocks, BLOCK_SIZE)
     b_k = _affine_tile_any(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP, FAST)
-    b_s = tl.where(_per_key(m_n, KEYS_AS_ROWS), _scores(b_q, b_k, KEYS_AS_ROWS), float("-inf"))
+    b_s = tl.where(_per_key(m_n, KEYS_AS_ROWS), _scores(b_q, b_k, KEYS_AS_ROWS) * q_unscale, float("-inf"))
     b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l, KEYS_AS_ROWS)
     b_v = _affine_tile_any(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP, FAST)
     b_acc = _accumulate(b_acc, b_alpha, b_p, b_v, KEYS_AS_ROWS)
@@ -459,6 +460,9 @@ def _decode_split_kernel(
     stride_pos,
     stride_head,
     stride_bias,
+    num_blocks,  # the cache's blocks: block-table entries are clamped into [0, num_blocks) (unchecked calls)
+    capacity,  # max_blocks * BLOCK_SIZE: lengths are clamped into [0, capacity] (unchecked calls)
+    q_unscale,  # the query was divided by this power of two to fit fp16 (1.0 unless it would overflow): scores times it
     # settings
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -486,6 +490,7 @@ def _decode_split_kernel(
     i_s = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HKV, i_bh % HKV
     seq_len = tl.load(seq_lens_ptr + i_b).to(tl.int32)  # positions are int32, addresses int64
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity)  # unchecked lengths: never past the block table
     start = i_s.to(tl.int32) * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -510,13 +515,13 @@ def _decode_split_kernel(
                 if start + it * BLOCK_N < end:
                     b_m, b_l, b_acc = _attend_affine(
                         cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, start + it * BLOCK_N + o_nb, end, i_b, i_h,
-                        stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
+                        stride_bt, stride_block, stride_pos, stride_head, num_blocks, q_unscale, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
                         KEYS_AS_ROWS, FAST)
         else:
             for n0 in range(start, end, BLOCK_N):
                 b_m, b_l, b_acc = _attend_affine(
                     cache_ptr, block_table_ptr, b_q, b_m, b_l, b_acc, n0 + o_nb, end, i_b, i_h,
-                    stride_bt, stride_block, stride_pos, stride_head, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
+                    stride_bt, stride_block, stride_pos, stride_head, num_blocks, q_unscale, BLOCK_SIZE, D, BITS_K, BITS_V, GROUP, VALUE_OFFSET, BLOCK_N,
                     KEYS_AS_ROWS, FAST)
     else:
         # PREFETCH: software pipelining, the reads of step i + 1 are issued before the arithmetic of step i
@@ -525,7 +530,7 @@ def _decode_split_kernel(
         k0, k1, k2, b_kn, v0, v1, v2, b_vn = b_none, b_none, b_none, b_none, b_none, b_none, b_none, b_none
         if PREFETCH:
             k0, k1, k2, b_kn, v0, v1, v2, b_vn = _fetch_tile(
-                cache_ptr, block_table_ptr, start + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
+                cache_ptr, block_table_ptr, start + o_nb, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head, num_blocks, q_unscale,
                 BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST)
         if INTERPRETED:
             for it in range(0, SPLIT_STEPS):
@@ -533,7 +538,7 @@ def _decode_split_kernel(
                     b_m, b_l, b_acc, nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _mse_step(
                         cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1,
                         v2, b_vn, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, start + it * BLOCK_N, end, i_b, i_h, stride_bt,
-                        stride_block, stride_pos, stride_head, bias_ptr, o_bias, m_g, BLOCK_SIZE, D, BITS_K, BITS_V,
+                        stride_block, stride_pos, stride_head, num_blocks, q_unscale, bias_ptr, o_bias, m_g, BLOCK_SIZE, D, BITS_K, BITS_V,
                         KEY_NORM_OFFSET, VALUE_OFFSET, VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS, PREFETCH,
                         KEYS_AS_ROWS)
                     if PREFETCH:
@@ -543,7 +548,7 @@ def _decode_split_kernel(
                 b_m, b_l, b_acc, nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn = _mse_step(
                     cache_ptr, block_table_ptr, key_cent_ptr, value_cent_ptr, b_q, b_m, b_l, b_acc, k0, k1, k2, b_kn, v0, v1, v2,
                     b_vn, tk0, tk1, tk2, tk3, tv0, tv1, tv2, tv3, n0, end, i_b, i_h, stride_bt, stride_block, stride_pos,
-                    stride_head, bias_ptr, o_bias, m_g, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET,
+                    stride_head, num_blocks, q_unscale, bias_ptr, o_bias, m_g, BLOCK_SIZE, D, BITS_K, BITS_V, KEY_NORM_OFFSET, VALUE_OFFSET,
                     VALUE_NORM_OFFSET, VALUE_ALIGN4, BLOCK_N, FAST, HAS_BIAS, PREFETCH, KEYS_AS_ROWS)
                 if PREFETCH:
                     k0, k1, k2, b_kn, v0, v1, v2, b_vn = nk0, nk1, nk2, n_kn, nv0, nv1, nv2, n_vn
@@ -916,8 +921,9 @@ def _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma
     return why_not is None and not given and (mma or (key_codec.bits, value_codec.bits) in decode_mma.DEFAULT_BITS)
 
 
-def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity):
-    """``decode_attention`` through ``kvlab.decode_mma.decode_mma_kernel`` (inputs checked), then the merge."""
+def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity, check=True):
+    """``decode_attention`` through ``kvlab.decode_mma.decode_mma_kernel`` (inputs checked), then the merge;
+    None when ``check`` finds that the pre-scaled query overflows fp16 (the split loop handles it)."""
     batch, num_q_heads, dim = q.shape
     num_kv_heads = cache.shape[2]
     device = q.device
@@ -931,6 +937,11 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
     order_v = _cached(value_codec, ("mma_output_order", device), value_codec.centroids,
                       lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
     q_in = _rotate_rows(q, rot_k, torch.float16)
+    if check and not bool(torch.isfinite(q_in).all()):
+        return None
+    if not check:  # unchecked tables and lengths: clamped, so that no read leaves the cache
+        block_table = block_table.clamp(0, cache.shape[0] - 1)
+        seq_lens = seq_lens.clamp(0, capacity)
     if num_splits is None:
         num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
     split_len = C.cdiv(C.cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
@@ -954,6 +965,15 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
         )  # fmt: skip
         _merge(o_part, ml_part, order_v, out)
     return _to_model_space(out, value_codec, q.dtype)
+
+
+def _fit_fp16(q32: torch.Tensor):
+    """``(q16, f)``: ``q32 / f`` in fp16 and the power of two ``f`` (1.0 when ``q32`` fits) that keeps it finite."""
+    peak = float(q32.abs().amax()) if q32.numel() else 0.0
+    if not math.isfinite(peak):
+        raise ValueError("q * scale overflows float32 (after the rotation); use a smaller q or scale")
+    f = 2.0 ** max(0, math.ceil(math.log2(peak / 2.0**15))) if peak > 2.0**15 else 1.0
+    return (q32 / f).to(torch.float16).contiguous(), f
 
 
 def decode_attention(
@@ -1000,8 +1020,12 @@ def decode_attention(
     the dims) are the rows of the matrix products, 64 or more, so that on Hopper Triton can issue them as
     warpgroup MMAs (``wgmma``, at least 64 rows) instead of padding the query group to 16-row ``mma``
     tiles; the result is the same up to float rounding.
-    ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync);
-    ``check=False`` never syncs and reads whatever blocks the table names.
+    ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync), that
+    the codecs are those that wrote the cache (where a launcher recorded them), and whether the
+    pre-scaled fp16 query overflows (a large ``scale`` or ``q``: it is then divided by a power of two
+    and the scores multiplied back); ``check=False`` never syncs, clamps block-table entries into
+    ``[0, num_blocks)`` and lengths into ``[0, max_blocks * block_size]`` so that no read leaves the
+    cache (such inputs give unspecified numbers), and needs ``q * scale`` within fp16 after the rotation.
 
     ``mma`` picks the loop: ``True`` the loop of ``kvlab.decode_mma`` (MSE keys and values of 2, 3 or 4
     bits, dim 64 or 128 (2-bit values, 3-bit keys or values: 128), at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the
@@ -1040,6 +1064,8 @@ def decode_attention(
     num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, check)
     if centered is not None and centered.num_heads != num_kv_heads:
         raise ValueError(f"key_codec.num_heads ({centered.num_heads}) must equal the cache's num_kv_heads ({num_kv_heads})")
+    if check:
+        C.check_reader(cache, key_codec, value_codec)
     if scale is None:
         scale = dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
@@ -1050,7 +1076,9 @@ def decode_attention(
     if _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma, given):
         if num_splits is not None:
             C.check_int("num_splits", num_splits, minimum=1)
-        return _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity)
+        out = _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity, check)
+        if out is not None:
+            return out
     C.check_int("block_n", block_n, (16, 32, 64, 128, 256))
     C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16))
     if num_stages is not None:
@@ -1082,6 +1110,7 @@ def decode_attention(
     num_splits = C.cdiv(capacity, split_len)  # no empty trailing splits
     tables_k = tables_v = (0, 0, 0, 0)
     q_scale = scale * LOG2E  # base-2 exponentials: log2(e) rides on the softmax scale
+    q_unscale = 1.0
     if kind == "mse":
         if fast:
             tables_k, tables_v = _prmt_tables(key_codec), _prmt_tables(value_codec)
@@ -1099,6 +1128,8 @@ def decode_attention(
             key_scale = _cached(centered, ("scale_rows", device, G), centered.scale,
                                 lambda t: t.to(device=device, dtype=torch.float32).repeat_interleave(G, 0).contiguous())
         q_in = _rotate_rows(q, rot_k, torch.float16, key_scale)
+        if check and not bool(torch.isfinite(q_in).all()):  # q * scale beyond fp16: scaled down, scores scaled back
+            q_in, q_unscale = _fit_fp16(_rotate_rows(q, rot_k, torch.float32, key_scale))
         cent_k = _centroids(key_codec, device)  # the codebooks: the centroid of each code
         cent_v = _centroids(value_codec, device)
         assert layout.value_offset % 2 == 0, layout  # words of the value code: 4- or 2-byte aligned (_load_words)
@@ -1117,7 +1148,8 @@ def decode_attention(
         cent_k = cent_v = order_v  # unused
         offsets = dict(KEY_NORM_OFFSET=0, VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=0,
                        VALUE_ALIGN4=True, GROUP=key_codec.group_size)
-        q_in = (q_in * q_scale).to(torch.float16).contiguous()
+        q_in = q_in * q_scale
+        q_in, q_unscale = _fit_fp16(q_in) if check else (q_in.to(torch.float16).contiguous(), 1.0)
     bias = None
     if centered is not None and centered.rope is not None:
         bias = (rope_mean_scores(q, centered, capacity, position_offset) * q_scale).contiguous()
@@ -1136,6 +1168,7 @@ def decode_attention(
             split_len, num_splits,
             block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
             0 if bias is None else bias.stride(1),
+            num_blocks, capacity, q_unscale,
             HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=block_size, D=dim, AFFINE=kind == "affine",
             BITS_K=key_codec.bits, BITS_V=value_codec.bits, **offsets,
             BLOCK_G=max(16, C.next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
@@ -1189,6 +1222,7 @@ def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, 
                        pack_affine(value, value_codec.bits, value_codec.group_size, "token", check=check)], -1)
     keep = slot_mapping >= 0
     cache.view(num_slots, key.shape[1], layout.slot_bytes)[slot_mapping[keep].long()] = codes[keep]
+    C.record_writer(cache, key_codec, value_codec)
 
 
 def _slot_mapping(block_table, seq_lens, block_size: int, length: int) -> torch.Tensor:
@@ -1230,6 +1264,8 @@ def prefill_attention(
     centered, key_codec = _split_centered(key_codec, position_offset)
     layout = _slot_layout(kind, dim, key_codec, value_codec)
     num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, True)
+    if check:
+        C.check_reader(cache, key_codec, value_codec)
     if bool((seq_lens < q_len).any()):
         raise ValueError(f"seq_lens must be >= q_len ({q_len}): the new tokens are the last ones of each cached sequence")
     if scale is None:

@@ -62,7 +62,11 @@ NORM_BYTES = 2  # fp16
 
 
 def packed_bytes(dim: int, bits: int) -> int:
-    """Bytes holding ``dim`` packed ``bits``-wide indices."""
+    """Bytes holding ``dim`` packed ``bits``-wide indices (``dim >= 0``, ``bits`` 1 to 8)."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        raise ValueError(f"dim must be an int >= 0, got {dim!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an int in [1, 8], got {bits!r}")
     return (dim * bits + 7) // 8
 
 
@@ -89,6 +93,14 @@ class MSESlot:
     dim: int
     key_bits: int
     value_bits: int
+
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"dim must be an int >= 1, got {self.dim!r}")
+        for name in ("key_bits", "value_bits"):
+            bits = getattr(self, name)
+            if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 3, 4):
+                raise ValueError(f"{name} must be 2, 3 or 4, got {bits!r}")
 
     @property
     def key_bytes(self) -> int:

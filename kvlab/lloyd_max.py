@@ -112,6 +112,9 @@ class _Gaussian:
         return math.sqrt(3.0) * special.ndtri((np.arange(n) + 0.5) / n)
 
 
+MAX_DIM = 1 << 24  # beyond, the sphere's coordinate law is the Gaussian limit to double precision (dim=None)
+
+
 def _check(bits, dim):
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
         raise TypeError(f"bits must be an int in 1..8, got {type(bits).__name__}")
@@ -120,8 +123,8 @@ def _check(bits, dim):
     if dim is not None:
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
             raise TypeError(f"dim must be an int >= 3 or None, got {type(dim).__name__}")
-        if dim < 3:
-            raise ValueError(f"dim must be >= 3 (or None for the Gaussian limit), got {dim}")
+        if not 3 <= dim <= MAX_DIM:
+            raise ValueError(f"dim must be in [3, {MAX_DIM}] (or None for the Gaussian limit), got {dim}")
 
 
 def lloyd_max(bits: int, dim: int | None = None) -> LloydMax:

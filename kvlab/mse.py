@@ -88,10 +88,13 @@ Reference
 
 Checks
     With ``check=True`` (the default) the launchers also check values, which costs one host sync per
-    call: slot numbers in range (before the launch) and, for ``store_mse``, NaN/Inf inputs and norms
-    that overflow fp16 (the kernel writes each row's norm, the launcher checks them after the launch;
-    the call's slots are then already written). ``check=False`` skips every value check and never syncs;
-    the kernels still skip out-of-range slots instead of writing outside the cache.
+    call: slot numbers in range (before the launch) and, for ``store_mse``, NaN/Inf inputs and stored
+    norms outside fp16's normal range, above 65504 or nonzero below 6.1e-05 (the kernel writes each
+    row's norm, the launcher checks them after the launch and, if one is bad, puts the call's slots back
+    as they were before raising). ``store_mse`` records the key and value codecs that wrote the cache
+    and a checked ``load_mse`` refuses a codec of another identity (``kvlab._checks.check_reader``).
+    ``check=False`` skips every value check and never syncs; the kernels still skip out-of-range slots
+    instead of writing outside the cache.
 """
 
 from __future__ import annotations
@@ -1241,8 +1244,9 @@ def store_mse(
     key_codec.encode(key), value_codec.encode(value), layout)``.
 
     ``check=True`` (default) also checks values, with one host sync: slots in ``[-1, num_slots)``,
-    and no NaN/Inf or norm above 65504 in the written rows of ``key``/``value`` (ValueError, raised
-    after the launch: the call's slots are then written). Rows with slot -1 are not checked.
+    and no NaN/Inf, norm above 65504 or nonzero norm below 6.1e-05 in the written rows of
+    ``key``/``value`` (ValueError, raised after the launch, once the call's slots are put back as they
+    were). Rows with slot -1 are not checked.
     ``check=False`` skips those checks and never syncs; out-of-range slots are then skipped silently.
 
     Hadamard codecs (``codec.hadamard_signs`` set) are rotated inside the kernel, from the input
@@ -1308,6 +1312,7 @@ def store_mse(
                           head=_store_head(cache, offset, index_bytes + NORM_BYTES)))
     # check: every written row's norm (rows not written stay 0); else a placeholder, never accessed
     norms = torch.zeros(2, num_rows if check else 1, dtype=torch.float32, device=device)
+    saved = _save_slots(cache, slot_mapping) if check else None  # a failing checked call puts them back
     block_d = _store_block_d(dim)
     grid = (C.cdiv(num_rows, block_rows),)
     gluon = STORE_GLUON and device.type == "cuda" and not _interpreted() and default_tiling
@@ -1351,15 +1356,25 @@ def store_mse(
                 **({} if _interpreted() else _store_compiled_options(codec.bits, num_warps, dim, piece)),
             )
     if check:
-        finite = torch.isfinite(norms)
-        flags = torch.stack([(~finite).any(1), (finite & (norms > C.FP16_MAX)).any(1)], 1).tolist()  # one sync
-        for name, (nonfinite, overflow) in zip(("key", "value"), flags):
-            if nonfinite:
-                raise ValueError(f"{name} holds NaN or Inf values (or vectors whose norm overflows fp32); "
-                                 "only finite values can be encoded")
-            if overflow:
-                raise ValueError(f"{name} has vectors with norm above {C.FP16_MAX:g} (after norm correction: norm / |c|); "
-                                 "it is stored in fp16")
+        try:
+            for name, part_norms in (("key", norms[0]), ("value", norms[1])):
+                C.check_fp16_scales(name, part_norms)
+        except ValueError:
+            _restore_slots(cache, saved)
+            raise
+    C.record_writer(cache, key_codec, value_codec)
+
+
+def _save_slots(cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """The slots ``slot_mapping`` names (in range, checked before) and their bytes, to undo a failed write."""
+    slots = slot_mapping[slot_mapping >= 0].long()
+    block, pos = slots // cache.shape[1], slots % cache.shape[1]
+    return block, pos, cache[block, pos].clone()
+
+
+def _restore_slots(cache: torch.Tensor, saved) -> None:
+    block, pos, data = saved
+    cache[block, pos] = data
 
 
 def _part_layout(codec, part: str, slot_bytes: int):
@@ -1396,7 +1411,8 @@ def load_mse(
     of 9 to 128, else as one batched fp32 GEMM after the kernel). Rows whose slot is
     ``-1`` (or, with ``check=False``, out of range) come out as zeros. The other part's bit width is
     inferred from the cache's ``slot_bytes``. ``check=True`` (default) checks the slot range with
-    one host sync; ``check=False`` does not sync. ``block_rows`` (a power of two; default 2048
+    one host sync, and that ``codec`` is the codec that wrote ``part`` (when ``store_mse`` wrote the
+    cache); ``check=False`` does not sync. ``block_rows`` (a power of two; default 2048
     elements per tile, 16 rows of 128; in model space 64 rows) and ``num_warps`` (default one warp,
     two for 2-bit codes; four in model space) tune the launch (the defaults were the fastest on an
     H200, ``benchmarks/bench_launch_configs.py --only mse_load``).
@@ -1421,6 +1437,8 @@ def load_mse(
         raise ValueError(f"slot_mapping must be 1-D [num_tokens], got shape {tuple(slot_mapping.shape)}")
     num_tokens = slot_mapping.shape[0]
     C.check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, cache.device, values=check)
+    if check:
+        C.check_reader(cache, **{f"{part}_codec": codec})
     # model space: fused (an fp16 product in the kernel) for 16-bit outputs; an exact fp32 GEMM for fp32
     # (tiles of 16 to 128 columns: R^T, at most 32 KB in fp16, is loaded once by every program)
     fused = space == "model" and out_dtype != torch.float32 and 16 <= 8 * _block_g(codec.dim) <= 128

@@ -23,7 +23,7 @@ import torch
 from . import _checks as C
 from .layout import NORM_BYTES, MSESlot, code_order, packed_bytes
 from .lloyd_max import lloyd_max
-from .rotation import KINDS, fwht, hadamard_scale, hadamard_signs, rotation_matrix
+from .rotation import KINDS, MAX_DIM, fwht, hadamard_scale, hadamard_signs, rotation_matrix
 
 __all__ = [
     "AffineCodec",
@@ -41,8 +41,14 @@ PACK_BITS = (2, 3, 4, 8)
 
 
 def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer indices ``[..., n]`` (values < 2**bits) into uint8 ``[..., ceil(bits n / 8)]``."""
+    """Pack integer indices ``[..., n]`` (values in ``[0, 2**bits)``) into uint8 ``[..., ceil(bits n / 8)]``."""
     C.check_int("bits", bits, PACK_BITS)
+    C.check_codes("idx", idx, bits)
+    return _pack_indices(idx, bits)
+
+
+def _pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """``pack_indices`` of indices known to be in range (the encoders' own)."""
     n = idx.shape[-1]
     nbytes = packed_bytes(n, bits)
     idx = idx.to(torch.int64)
@@ -58,8 +64,21 @@ def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_indices(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of ``pack_indices``: uint8 ``[..., nbytes]`` -> int64 ``[..., n]``."""
+    """Inverse of ``pack_indices``: uint8 ``[..., nbytes]`` -> int64 ``[..., n]``.
+
+    ``nbytes`` must be ``packed_bytes(n, bits)``, the bytes ``pack_indices`` writes for ``n`` indices.
+    """
     C.check_int("bits", bits, PACK_BITS)
+    C.check_int("n", n, minimum=0)
+    C.check_tensor("packed", packed, (torch.uint8,), ndim_min=1)
+    if packed.shape[-1] != packed_bytes(n, bits):
+        raise ValueError(f"packed's last dimension must be packed_bytes(n={n}, bits={bits}) = {packed_bytes(n, bits)}, "
+                         f"got shape {tuple(packed.shape)}")
+    return _unpack_indices(packed, bits, n)
+
+
+def _unpack_indices(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """``unpack_indices`` of codes known to fit (the decoders' own slices of a checked code)."""
     data = packed.to(torch.int64)
     if bits == 8:
         return data[..., :n]
@@ -115,6 +134,8 @@ class MSECodec:
 
     def __init__(self, dim: int, bits: int, rotation: str = "haar", seed: int = 0, norm_correction: bool = True):
         C.check_int("dim", dim, minimum=3)
+        if dim > MAX_DIM:
+            raise ValueError(f"dim must be in [3, {MAX_DIM}] (a dense dim x dim rotation), got {dim}")
         C.check_int("bits", bits, (2, 3, 4))
         C.check_choice("rotation", rotation, KINDS)
         C.check_int("seed", seed)
@@ -161,10 +182,8 @@ class MSECodec:
         if self.norm_correction:  # |c|: fp64 sum of the (exact) squares, sqrt in fp64, rounded once to fp32
             length = self.codebook.to(x.device)[code].double().square().sum(-1).sqrt().float()
             scale = norm / length  # fp32, correctly rounded; every centroid is nonzero, so length > 0
-        if bool((scale > C.FP16_MAX).any()):
-            raise ValueError(f"x has vectors with norm above {C.FP16_MAX:g} (after norm correction: norm / |c|); "
-                             "it is stored in fp16")
-        return torch.cat([pack_indices(code, self.bits), _fp16_bytes(scale)], -1)
+        C.check_fp16_scales("x", scale)
+        return torch.cat([_pack_indices(code, self.bits), _fp16_bytes(scale)], -1)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ rotation`` in float32, computed as the encoder does (exactly reproducible for Hadamard)."""
@@ -177,7 +196,7 @@ class MSECodec:
         """uint8 ``[..., nbytes]`` -> float32 ``[..., dim]``."""
         C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=self.nbytes)
         C.check_choice("space", space, ("model", "rotated"))
-        code = unpack_indices(codes[..., : self.index_bytes], self.bits, self.dim)
+        code = _unpack_indices(codes[..., : self.index_bytes], self.bits, self.dim)
         # the stored scale already holds the norm correction: decoding is centroid times scale
         y = self.codebook.to(codes.device)[code] * _fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
         return y if space == "rotated" else y @ self.rotation.to(codes.device).T
@@ -251,11 +270,12 @@ class AffineCodec:
         zero = lo.to(torch.float16)
         if bool(torch.isinf(scale).any()) or bool(torch.isinf(zero).any()):
             raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
+        C.check_tiny_groups("x", scale, zero, g.abs().amax(-1))
         s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
         inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)  # one division per group
         q = torch.floor((g - z) * inv + 0.5).clamp(0, self.levels)
         q = self._ungrouped(q, x.shape)
-        packed = pack_indices(q, self.bits)
+        packed = _pack_indices(q, self.bits)
         if self.axis == "token":
             return torch.cat([packed, _fp16_bytes(scale).flatten(-2), _fp16_bytes(zero).flatten(-2)], -1)
         # [..., T, P] -> [..., T/G, G*P], then per-channel scales and zeros of the group
@@ -270,11 +290,11 @@ class AffineCodec:
         p = packed_bytes(dim, self.bits)
         ngroups = dim // self.group_size if self.axis == "token" else dim
         if self.axis == "token":
-            q = unpack_indices(codes[..., :p], self.bits, dim)
+            q = _unpack_indices(codes[..., :p], self.bits, dim)
             meta = codes[..., p:]
         else:
             rows = codes[..., : self.group_size * p].reshape(*codes.shape[:-1], self.group_size, p)
-            q = unpack_indices(rows, self.bits, dim)  # [..., T/G, G, dim]
+            q = _unpack_indices(rows, self.bits, dim)  # [..., T/G, G, dim]
             q = q.reshape(*codes.shape[:-2], -1, dim)
             meta = codes[..., self.group_size * p :]
         scale = _fp16_from_bytes(meta[..., : 2 * ngroups].reshape(*meta.shape[:-1], ngroups, 2)).float()
@@ -312,6 +332,7 @@ def write_slots(cache, slot_mapping, key_codes, value_codes, layout: MSESlot) ->
     flat = cache.view(num_blocks * block_size, num_heads, layout.slot_bytes)
     slots = slot_mapping[keep].long()
     flat[slots] = torch.cat([key_codes[keep], value_codes[keep]], -1)
+    C.record_writer(cache, None, None)  # codes of codecs not known here: no checked read can vouch for them
 
 
 def read_slots(cache, slot_mapping, layout: MSESlot):

@@ -27,11 +27,14 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
+MAX_DIM = 8192  # a dense [dim, dim] rotation: 512 MiB in float64 at this size, seconds to build
+
+
 def _check_dim(dim) -> None:
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    if dim < 3:
-        raise ValueError(f"dim must be >= 3, got {dim}")
+    if not 3 <= dim <= MAX_DIM:
+        raise ValueError(f"dim must be in [3, {MAX_DIM}] (a dense dim x dim rotation), got {dim}")
 
 
 def haar(dim: int, seed: int = 0) -> torch.Tensor:

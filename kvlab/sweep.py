@@ -40,7 +40,21 @@ change to kvlab itself, which the check does not see).
 
 Failures. A failing run is reported with its parameters, the failing cell and the error; its
 executed notebook is kept; the other runs go on. The exit code is 0 when every run succeeded and 1
-otherwise (130 when interrupted).
+otherwise (130 when interrupted, 143 when terminated with SIGTERM).
+
+One table per folder. Sweeps of one notebook into one ``--out`` share ``results.csv``: a run's row
+replaces the row of the same parameter values, rows of other grid points stay (a sweep over other
+parameter names is refused, exit code 2, before anything runs). Writers take turns (a lock file,
+``.results.lock``) and each writes through a temporary file of its own, renamed over the table;
+``.results.json`` records which columns are the parameters. A glued ``nan`` or ``inf`` is written as
+``nan`` / ``inf`` (an empty cell means "not glued").
+
+Stopping. On Ctrl-C (SIGINT) or SIGTERM the sweep ends the runs in flight: papermill is interrupted
+so that it shuts its kernel down, then it and its kernel are killed after ``STOP_GRACE_S`` seconds;
+their temporary folders are removed, finished runs' notebooks are kept (each written atomically) and
+``results.csv`` is left as it was. A sweep killed with SIGKILL cannot do this: its papermill
+processes (each in a session of its own) run on to their end and leave their ``kvlab-sweep-*``
+temporary folders.
 
 Executors. Each run is one ``python -m papermill`` process whose kernel runs in the repository
 root with the root on ``PYTHONPATH``.
@@ -62,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -415,12 +430,14 @@ def execute(task: Task) -> Outcome:
             if task.execution_timeout is not None:
                 cmd += ["--execution-timeout", str(task.execution_timeout)]
             for _ in range(KERNEL_START_ATTEMPTS):
-                proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                proc = _papermill(cmd, env, Path(tmp) / "papermill.log")
                 if dst.is_file() or KERNEL_START_FAILURE not in proc.stdout:
                     break
             executed = dst.read_text() if dst.is_file() else None
     except Exception as exc:  # the run could not even start: report it as this run's failure
         return Outcome(False, time.monotonic() - start, f"could not run papermill: {type(exc).__name__}: {exc}", None, host=host)
+    if _ABORT.is_set():
+        return Outcome(False, time.monotonic() - start, "the sweep was interrupted", None, host=host)
     duration = time.monotonic() - start
     try:
         nb = json.loads(executed) if executed else None
@@ -428,12 +445,81 @@ def execute(task: Task) -> Outcome:
         nb, executed = None, None
     if proc.returncode == 0 and nb is not None and not _error_outputs(nb):
         return Outcome(True, duration, "", executed, host=host)
+    timed_out = task.execution_timeout is not None and ("CellTimeoutError" in proc.stdout
+                                                        or "Cell execution timed out" in proc.stdout)
+    if nb is not None and timed_out:
+        where = _timed_out_cell(nb)
+        return Outcome(False, duration, f"{where} timed out: it ran longer than --execution-timeout "
+                       f"{task.execution_timeout} s", executed, host=host)
     if nb is not None and _error_outputs(nb):
         return Outcome(False, duration, diagnose_notebook(nb), executed, host=host)
     # no error output: the kernel died, a cell timed out or papermill itself failed; its log tells
     problem = (diagnose_notebook(nb) if nb is not None else None) or "no executed notebook was written"
     tail = "\n".join(ANSI.sub("", proc.stdout).strip().splitlines()[-15:])
     return Outcome(False, duration, f"{problem} (papermill exit code {proc.returncode})", executed, tail, host)
+
+
+_ABORT = threading.Event()  # set when the sweep stops early: runs in flight are ended, no other starts
+STOP_GRACE_S = 10  # seconds papermill has to shut its kernel down after SIGINT before it and its kernel are killed
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc; [] where there is none), a kernel in its own session included."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat") if Path("/proc").is_dir() else []:
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _papermill(cmd: list[str], env: dict, log: Path) -> subprocess.CompletedProcess:
+    """Run papermill in its own session; if the sweep stops (an exception here, ``_ABORT``), end it and its kernel."""
+    import signal
+
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if _ABORT.is_set():
+                        raise KeyboardInterrupt from None
+        except BaseException:
+            family = _children(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)  # papermill shuts its kernel down
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid in [proc.pid, *family, *_children(proc.pid)]:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout=log.read_text(errors="replace"))
+
+
+def _timed_out_cell(nb: dict) -> str:
+    """The cell a timeout stopped: the first with an error output, else the last one started."""
+    errors = _error_outputs(nb)
+    if errors:
+        return _describe_cell(nb, errors[0][0])
+    cells = nb.get("cells", [])
+    started = [i for i, c in enumerate(cells) if c.get("cell_type") == "code"
+               and c.get("metadata", {}).get("papermill", {}).get("start_time")]
+    return _describe_cell(nb, started[-1]) if started else "a cell"
 
 
 def _error_outputs(nb: dict) -> list[tuple[int, dict]]:
@@ -482,6 +568,7 @@ _NUMPY_SCALAR = re.compile(r"(?:np|numpy)\.(?:float|int|uint|complex|str_|bytes_
 _NUMPY_BOOL = {"np.True_": True, "np.False_": False, "numpy.True_": True, "numpy.False_": False}
 _TENSOR_SCALAR = re.compile(r"tensor\(([^,()]+)\)")
 _NOT_SCALAR = object()
+_SPECIAL_FLOAT = re.compile(r"[+-]?(?:(?:np|numpy|math)\.)?(?:nan|inf)", re.I)
 
 
 def decode_glued(text: str):
@@ -493,6 +580,9 @@ def decode_glued(text: str):
         m = pattern.fullmatch(text)
         if m:
             text = m.group(1).strip()
+    special = _SPECIAL_FLOAT.fullmatch(text)
+    if special:  # repr of a float nan or infinity, which literal_eval does not read
+        return float(special.group(0).replace("np.", "").replace("numpy.", "").replace("math.", ""))
     try:
         value = ast.literal_eval(text)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -588,8 +678,9 @@ def _connect_dask(address: str):
         raise SweepError("--executor dask needs the distributed package (pip install distributed)") from None
     try:
         client = Client(address, timeout=30)
-    except (OSError, TimeoutError) as exc:
-        raise SweepError(f"--address {address}: cannot reach a Dask scheduler ({exc})") from None
+    except Exception as exc:  # unreachable, or not an address at all (ValueError, TypeError, ...)
+        raise SweepError(f"--address {address}: cannot reach a Dask scheduler there; give a scheduler's address "
+                         f"such as tcp://host:8786 ({type(exc).__name__}: {exc})") from None
     workers = client.scheduler_info().get("workers", {})
     if not any(w.get("resources", {}).get(GPU_RESOURCE, 0) >= 1 for w in workers.values()):
         client.close()
@@ -670,9 +761,8 @@ def _store(path: Path, outcome: Outcome, run: Run, source: Path, source_sha256: 
         "duration_s": round(outcome.duration_s, 3),
         "error": outcome.error,
     }
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    _replace_atomically(path, lambda fh: fh.write(text))
     return nb
 
 
@@ -692,16 +782,86 @@ def _cell(value) -> str:
     return str(value)
 
 
-def _write_csv(path: Path, columns: list[str], rows: list[dict], parameters: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(columns)
-        for row in rows:
-            writer.writerow([
-                (format_value(row[c]) if c in parameters else _cell(row[c])) if c in row else "" for c in columns
-            ])
-    os.replace(tmp, path)
+def _replace_atomically(path: Path, write) -> None:
+    """``write(fh)`` into a temporary file of a name of its own beside ``path``, then rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w", newline="") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _table_lock(directory: Path):
+    """One writer of ``directory``'s table at a time (other sweeps into the same folder wait)."""
+    import fcntl
+
+    with open(directory / ".results.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+TABLE_PARAMETERS = ".results.json"  # beside results.csv: which of its columns are the parameters
+
+
+def _read_table(directory: Path, parameters: list[str]) -> tuple[list[str], list[dict]]:
+    """The columns and rows (cell text) of ``directory``'s results.csv; SweepError if its grid has other parameters."""
+    path = directory / "results.csv"
+    if not path.is_file():
+        return [], []
+    with open(path, newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, [])
+        rows = [dict(zip(header, cells)) for cells in reader]
+    try:
+        known = json.loads((directory / TABLE_PARAMETERS).read_text())["parameters"]
+    except (OSError, ValueError, KeyError, TypeError):
+        known = header[: len(parameters)]  # a table written without the record: its first columns
+    if sorted(known) != sorted(parameters):
+        raise SweepError(f"--out: {path} holds runs over the parameters ({', '.join(known)}), this sweep is over "
+                         f"({', '.join(parameters)}); its rows would not fit one table: use another --out "
+                         "(or move that folder away)")
+    return header, rows
+
+
+def _write_csv(path: Path, columns: list[str], rows: list[dict], parameters: list[str]) -> list[str]:
+    """Write ``rows`` into the table at ``path``, keeping the rows of other grid points already there.
+
+    A row of the same parameter values replaces the old one in place; new ones follow in grid order. Returns the
+    table's columns. One writer at a time (a lock file), each through a temporary file of its own.
+    """
+    directory = path.parent
+    with _table_lock(directory):
+        old_columns, old_rows = _read_table(directory, parameters)
+        new_rows = [{c: (format_value(row[c]) if c in parameters else _cell(row[c])) for c in columns if c in row}
+                    for row in rows]
+        names = sorted(parameters)
+
+        def key(row):
+            return tuple(row.get(n, "") for n in names)
+
+        fresh = {key(r): r for r in new_rows}
+        merged = [fresh.pop(key(r), r) for r in old_rows]
+        merged += [r for r in new_rows if key(r) in fresh]
+        glued = [c for c in [*old_columns, *columns] if c not in parameters and c not in STATUS_COLUMNS]
+        table = [*parameters, *dict.fromkeys(glued), *STATUS_COLUMNS]
+
+        def write(fh):
+            writer = csv.writer(fh)
+            writer.writerow(table)
+            for row in merged:
+                writer.writerow([row.get(c, "") for c in table])
+
+        _replace_atomically(directory / TABLE_PARAMETERS, lambda fh: json.dump({"parameters": parameters}, fh))
+        _replace_atomically(path, write)
+    return table
 
 
 def sweep(
@@ -745,6 +905,12 @@ def sweep(
     parameter_names = list(grid)
 
     directory = Path(out) / source.stem
+    for folder in (Path(out), directory):
+        if folder.exists() and not folder.is_dir():
+            raise SweepError(f"--out {out}: {folder} exists and is not a folder")
+    if (directory / "results.csv").exists():
+        with _table_lock(directory):
+            _read_table(directory, list(grid))  # a table of other parameters: refused before anything runs
     source_sha256 = hashlib.sha256(source_bytes).hexdigest()
     finished: dict[Run, dict] = {}
     if not force:
@@ -759,7 +925,11 @@ def sweep(
     # connect or plan the workers before anything runs, so a bad option fails with nothing done
     client = _connect_dask(address) if executor == "dask" and pending else None
     slots = _local_slots(workers) if executor == "local" and pending else []
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SweepError(f"--out {out}: cannot create the folder {directory} ({exc.strerror or exc})") from None
+    _ABORT.clear()
 
     rows: dict[Run, dict] = {}
     for run, nb in finished.items():
@@ -789,6 +959,9 @@ def sweep(
                               file=sys.stderr)
                 bar.set_postfix(failed=failed, refresh=False)
                 bar.update(1)
+        except BaseException:
+            _ABORT.set()  # runs in flight end now, with their kernels; results.csv stays as it was
+            raise
         finally:
             results.close()
             bar.close()
@@ -798,7 +971,7 @@ def sweep(
     ordered = [rows[run] for run in runs]
     glued = list(dict.fromkeys(k for row in ordered for k in row if k not in parameter_names and k not in STATUS_COLUMNS))
     columns = [*parameter_names, *glued, *STATUS_COLUMNS]
-    _write_csv(directory / "results.csv", columns, ordered, parameter_names)
+    columns = _write_csv(directory / "results.csv", columns, ordered, parameter_names)
     plot_path = plot_results(ordered, parameter_names, directory / "results.png") if plot else None
     if plot_path is None:
         (directory / "results.png").unlink(missing_ok=True)  # no plot of an earlier sweep stands for this one
@@ -875,8 +1048,15 @@ def plot_results(rows: list[dict], parameters: list[str], path) -> Path | None:
     else:
         fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")  # a name of its own
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     return path
 
 
@@ -889,7 +1069,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a notebook over a grid of parameters with papermill; collect the glued scalars into results.csv.",
         epilog="Values: True/False/None (any case), integers, floats (1e-3, inf), quoted strings or Python "
                "list literals, else plain strings; comma-separated outside quotes and brackets. "
-               "Exit code: 0 all runs succeeded, 1 some run failed, 2 bad arguments.",
+               "Exit code: 0 all runs succeeded, 1 some run failed, 2 bad arguments, 130 interrupted, "
+               "143 terminated (SIGTERM).",
     )
     ap.add_argument("notebook", help="the notebook to run (.ipynb with a cell tagged 'parameters')")
     ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUES"),
@@ -907,9 +1088,30 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as an interruption: runs in flight are ended with their kernels."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     ap = _parser()
     args = ap.parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args) -> int:
     try:
         source = Path(args.notebook)
         if source.suffix != ".ipynb" or not source.is_file():
@@ -934,10 +1136,10 @@ def main(argv: list[str] | None = None) -> int:
     except SweepError as exc:
         print(f"kvlab.sweep: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:
-        print("kvlab.sweep: interrupted; finished runs are kept and skipped by the next run of the same command",
-              file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt as exc:
+        print("kvlab.sweep: interrupted; finished runs are kept and skipped by the next run of the same command; "
+              "results.csv is as it was", file=sys.stderr, flush=True)
+        return 143 if isinstance(exc, _Terminated) else 130
     total = len(result.rows)
     print(f"kvlab.sweep: {total} run(s) of {source}: {total - result.failed} ok "
           f"({result.skipped} already finished, skipped), {result.failed} failed", flush=True)

@@ -174,17 +174,15 @@ def _kernels_failing_to_start(monkeypatch, failures):
     """Make the first ``failures`` papermill calls end as a kernel that died before its first reply."""
     import subprocess
 
-    real, calls = S.subprocess.run, []
+    real, calls = S._papermill, []
 
-    def run(cmd, **kwargs):
-        if "papermill" not in cmd:  # another program (matplotlib's first font scan runs fc-list): not counted
-            return real(cmd, **kwargs)
+    def run(cmd, env, log):
         calls.append(cmd)
         if len(calls) <= failures:
             return subprocess.CompletedProcess(cmd, 1, stdout=f"Traceback ...\nRuntimeError: {S.KERNEL_START_FAILURE}\n")
-        return real(cmd, **kwargs)
+        return real(cmd, env, log)
 
-    monkeypatch.setattr(S.subprocess, "run", run)
+    monkeypatch.setattr(S, "_papermill", run)
     return calls
 
 

@@ -1,0 +1,586 @@
+"""Bad and edge inputs at kvlab's public entry points: each is a clear error (naming the argument and what
+is allowed) or a correct result, and every call that fails leaves the cache, the sweep folder and
+results.csv as they were.
+
+Classes: sweep results (glued nan/inf, one table per folder, concurrent writers, stopping, bad options),
+the cache's 16-bit parts (range, integer inputs), atomic cache updates, reading a cache with other codecs,
+decode attention (large scores, unchecked out-of-range tables), low-level helpers (codes, sizes,
+dimensions, shapes, layer indices), and both ends of fp16's range for stored scales.
+"""
+
+import copy
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvlab
+from kvlab import sweep as S
+from kvlab.cache import KVCache, KVFormat
+from kvlab.reference import decode_attention_reference, read_slots, write_slots
+
+NOTEBOOK = Path(__file__).parent / "data" / "sweep_point.ipynb"
+DIM, HEADS = 64, 2
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def snapshot(obj, depth=0):
+    """Everything a KVCache layer holds, deep: tensors cloned, lists copied, kvlab's part objects opened."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.dtype, tuple(obj.shape), obj.detach().clone())
+    if isinstance(obj, (list, tuple)):
+        return [snapshot(x, depth + 1) for x in obj]
+    if depth < 3 and type(obj).__module__ == "kvlab.cache":
+        return {k: snapshot(v, depth + 1) for k, v in vars(obj).items()}
+    return obj
+
+
+def same(a, b) -> bool:
+    if isinstance(a, tuple) and a and a[0] == "tensor":
+        return isinstance(b, tuple) and a[:3] == b[:3] and torch.equal(a[3], b[3])
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a is b or a == b
+
+
+def assert_fails_unchanged(cache, call, error, match):
+    """``call()`` raises ``error`` matching ``match`` and leaves every layer of ``cache`` exactly as it was."""
+    before = [snapshot(layer) for layer in cache.layers]
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    with pytest.raises(error, match=match):
+        call()
+    assert [layer.get_seq_length() for layer in cache.layers] == lengths
+    for b, layer in zip(before, cache.layers):
+        assert same(b, snapshot(layer))
+
+
+def small_cache(fmt, layers=1, **options):
+    options.setdefault("backend", "reference")
+    return KVCache(fmt, num_layers=layers, num_kv_heads=HEADS, head_dim=DIM, **options)
+
+
+def states(tokens=3, scale=1.0, batch=1, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, HEADS, tokens, DIM, generator=g) * scale
+    v = torch.randn(batch, HEADS, tokens, DIM, generator=g) * scale
+    return k.to(dtype), v.to(dtype)
+
+
+def folder_state(path: Path) -> dict:
+    """Every file under ``path`` and its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def paged(kb=4, vb=3, blocks=4, block_size=16):
+    layout = kvlab.MSESlot(DIM, kb, vb)
+    return torch.zeros(blocks, block_size, HEADS, layout.slot_bytes, dtype=torch.uint8)
+
+
+# ----------------------------------------------------------------------------- sweep results
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("nan", math.nan), ("inf", math.inf), ("-inf", -math.inf), ("np.float64(nan)", math.nan),
+    ("np.float32(-inf)", -math.inf), ("tensor(nan)", math.nan), ("tensor(inf)", math.inf),
+])
+def test_glued_nan_and_inf_are_values(text, expected):
+    value = S.decode_glued(text)
+    assert isinstance(value, float)
+    assert (math.isnan(value) and math.isnan(expected)) or value == expected
+
+
+def _table(directory):
+    with open(directory / "results.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _rows(values, glued=None):
+    return [{"a": a, **({"x": glued} if glued is not None else {}), "status": "ok", "duration_s": 0.1, "error": "",
+             "notebook": f"a={a}.ipynb"} for a in values]
+
+
+def test_glued_nan_is_written_as_nan_not_empty(tmp_path):
+    S._write_csv(tmp_path / "results.csv", ["a", "x", *S.STATUS_COLUMNS], _rows([1], math.nan) + _rows([2]), ["a"])
+    rows = _table(tmp_path)
+    assert rows[0]["x"] == "nan" and rows[1]["x"] == ""  # "not glued" stays distinguishable
+
+
+def test_two_sweeps_into_one_folder_keep_both_tables_rows(tmp_path):
+    columns = ["a", "x", *S.STATUS_COLUMNS]
+    S._write_csv(tmp_path / "results.csv", columns, _rows([1, 2], 1.5), ["a"])
+    S._write_csv(tmp_path / "results.csv", columns, _rows([3, 2], 2.5), ["a"])
+    rows = _table(tmp_path)
+    assert [(r["a"], r["x"]) for r in rows] == [("1", "1.5"), ("2", "2.5"), ("3", "2.5")]  # 2 replaced in place
+
+
+def test_concurrent_table_writers_neither_crash_nor_lose_rows(tmp_path):
+    columns = ["a", *S.STATUS_COLUMNS]
+    errors = []
+
+    def writer(values):
+        try:
+            for v in values:
+                S._write_csv(tmp_path / "results.csv", columns, _rows([v]), ["a"])
+        except BaseException as exc:  # noqa: BLE001  reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(range(i, 40, 4),)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(int(r["a"]) for r in _table(tmp_path)) == list(range(40))
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_a_sweep_over_other_parameters_is_refused_and_changes_nothing(tmp_path, capsys):
+    directory = tmp_path / "out" / "sweep_point"
+    directory.mkdir(parents=True)
+    S._write_csv(directory / "results.csv", ["b", *S.STATUS_COLUMNS], [{"b": 1, "status": "ok", "duration_s": 0.1,
+                                                                          "error": "", "notebook": ""}], ["b"])
+    before = folder_state(tmp_path)
+    assert S.main([str(NOTEBOOK), "-p", "a", "1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "holds runs over the parameters (b)" in capsys.readouterr().err
+    assert folder_state(tmp_path) == before
+
+
+def test_out_that_is_a_file_is_exit_2(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    assert S.main([str(NOTEBOOK), "-p", "a", "1", "--out", str(out), "--no-progress"]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert out.read_text() == "not a folder" and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_malformed_dask_address_is_exit_2(tmp_path, capsys):
+    pytest.importorskip("distributed")
+    out = tmp_path / "out"
+    code = S.main([str(NOTEBOOK), "-p", "a", "1", "--out", str(out), "--no-progress", "--executor", "dask",
+                   "--address", "not an address"])
+    assert code == 2
+    assert "--address not an address: cannot reach a Dask scheduler" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_stopped_run_ends_papermill_and_its_kernel(tmp_path):
+    # stands for papermill: a process that starts a "kernel" in a session of its own, then waits
+    pid_file = tmp_path / "kernel.pid"
+    script = ("import subprocess, sys, time\n"
+              "k = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+              f"open({str(pid_file)!r}, 'w').write(str(k.pid))\n"
+              "time.sleep(60)\n")
+    S._ABORT.clear()
+    result = {}
+
+    def run():
+        try:
+            S._papermill([sys.executable, "-c", script], dict(os.environ), tmp_path / "log.txt")
+        except KeyboardInterrupt:
+            result["interrupted"] = True
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kernel = int(pid_file.read_text())
+    S._ABORT.set()
+    thread.join(30)
+    S._ABORT.clear()
+    assert result == {"interrupted": True}
+    assert not running(kernel)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a killed process not yet reaped by its new parent is a zombie: not running)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_an_interrupted_run_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def interrupted(cmd, env, log):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(S, "_papermill", interrupted)
+    task = S.Task("sweep_point.ipynb", NOTEBOOK.read_text(), {"a": 1}, {"TRITON_INTERPRET": "1"})
+    with pytest.raises(KeyboardInterrupt):
+        S.execute(task)
+    assert not list(tmp_path.glob("kvlab-sweep-*"))
+
+
+def test_a_cell_timeout_is_reported_as_a_timeout(monkeypatch):
+    nb = json.loads(NOTEBOOK.read_text())
+    code = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"][-1]
+    nb["cells"][code]["outputs"] = [{"output_type": "error", "ename": "KeyboardInterrupt", "evalue": "",
+                                     "traceback": []}]
+
+    def timed_out(cmd, env, log):
+        Path(cmd[4]).write_text(json.dumps(nb))
+        return subprocess.CompletedProcess(cmd, 1, stdout="nbclient.exceptions.CellTimeoutError: A cell timed out\n")
+
+    monkeypatch.setattr(S, "_papermill", timed_out)
+    outcome = S.execute(S.Task("sweep_point.ipynb", NOTEBOOK.read_text(), {"a": 1}, {"TRITON_INTERPRET": "1"}, 5))
+    assert not outcome.ok
+    assert "timed out: it ran longer than --execution-timeout 5 s" in outcome.error
+    assert "KeyboardInterrupt" not in outcome.error
+
+
+# ----------------------------------------------------------------------------- the cache's 16-bit parts
+
+
+@pytest.mark.parametrize("fmt, options", [
+    (KVFormat("fp16"), {}),
+    (KVFormat("affine", 4), {"residual": 4}),  # the residual window
+    (KVFormat("mse", 4), {}),  # the tail the codec reads
+    (KVFormat("mse", 4), {"sink": 2}),
+])
+def test_values_beyond_fp16_are_an_error_not_inf(fmt, options):
+    cache = small_cache(fmt, **options)
+    cache.update(*states(2), 0)
+    k, v = states(2)
+    k[0, 0, 0, 0] = 1e5  # finite, beyond fp16
+    assert_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError,
+                           r"key_states holds values up to 100000, beyond float16's range \(\|x\| <= 65504\)")
+
+
+def test_values_beyond_fp16_fit_a_float32_cache():
+    cache = small_cache(KVFormat("fp16"), dtype=torch.float32, prefill="stored")
+    k, v = states(2)
+    k[0, 0, 0, 0] = 1e5
+    out_k, out_v = cache.update(k, v, 0)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.float64])
+def test_non_float_states_are_a_type_error(dtype):
+    cache = small_cache(KVFormat("affine", 4))
+    k, v = states(2)
+    assert_fails_unchanged(cache, lambda: cache.update((k * 10).to(dtype), (v * 10).to(dtype), 0), TypeError,
+                           r"key_states must have dtype in \(float16, bfloat16, float32\)")
+
+
+def test_nan_states_are_an_error():
+    cache = small_cache(KVFormat("fp16"))
+    k, v = states(2)
+    v[0, 1, 1, 3] = math.nan
+    assert_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError, "value_states holds NaN or Inf")
+
+
+# ----------------------------------------------------------------------------- atomic updates
+
+
+@pytest.mark.parametrize("fmt, options", [
+    (KVFormat("mse", 3, 2), {}),
+    (KVFormat("mse", 4), {"residual": 1}),
+    (KVFormat("affine", 4), {"dtype": torch.float32}),
+    (KVFormat("affine", 2, key_axis="channel", group_size=8), {"dtype": torch.float32}),
+])
+def test_a_failed_update_leaves_the_cache_as_it_was(fmt, options):
+    cache = small_cache(fmt, layers=2, **options)
+    for layer in range(2):
+        cache.update(*states(8 if fmt.key_axis == "channel" else 3), layer)
+    k, v = states(8 if fmt.key_axis == "channel" else 3, seed=1)
+    if fmt.codec == "mse":
+        k[0, 1, 0] = 60000.0  # every element fits fp16, the vector's norm does not
+        match = "norm above 65504"
+    else:
+        k[0, 1, 0, :] = 1e-9  # a group of tiny values: its scale and zero would underflow fp16 to 0
+        k[0, 1, :, :8] = 1e-9
+        match = "scale and zero both underflow to 0"
+    assert_fails_unchanged(cache, lambda: cache.update(k, v, 1), ValueError, match)
+    # and the cache goes on: the same update without the bad token works, lengths add up
+    good_k, good_v = states(8 if fmt.key_axis == "channel" else 3, seed=1)
+    cache.update(good_k, good_v, 1)
+    assert cache.layers[1].get_seq_length() == cache.layers[0].get_seq_length() + good_k.shape[2]
+
+
+def test_a_failed_first_update_leaves_the_layer_uninitialized():
+    cache = small_cache(KVFormat("mse", 4))
+    k, v = states(2)
+    k[0, 0, 1] = 60000.0
+    assert_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError, "norm above 65504")
+    assert not cache.layers[0].is_initialized
+    cache.update(*states(2), 0)
+    assert cache.get_seq_length() == 2
+
+
+# ----------------------------------------------------------------------------- shapes and layer indices
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((1, HEADS + 1, 2, DIM), r"key_states must be \[1, 2, tokens, 64\]"),
+    ((1, HEADS, 2, DIM // 2), r"key_states must be \[1, 2, tokens, 64\]"),
+    ((2, HEADS, 2, DIM), r"key_states must be \[1, 2, tokens, 64\] \(the batch of the layer's first update"),
+    ((HEADS, 2, DIM), r"key_states must be \[batch, 2, tokens, 64\]"),
+])
+def test_changed_shapes_mid_cache_are_named(shape, match):
+    cache = small_cache(KVFormat("affine", 4))
+    cache.update(*states(2), 0)
+    x = torch.randn(shape)
+    assert_fails_unchanged(cache, lambda: cache.update(x, x.clone(), 0), ValueError, match)
+
+
+def test_value_shape_must_match_key_shape():
+    cache = small_cache(KVFormat("mse", 4))
+    k, _ = states(2)
+    _, v = states(3)
+    assert_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError, "value_states must have the shape of key_states")
+
+
+@pytest.mark.parametrize("layer_idx, error, match", [
+    (2, ValueError, r"layer_idx must be in \[0, 2\)"),
+    (-1, ValueError, r"layer_idx must be in \[0, 2\)"),
+    (1.0, TypeError, "layer_idx must be an int"),
+])
+def test_layer_index_out_of_range(layer_idx, error, match):
+    cache = small_cache(KVFormat("fp16"), layers=2)
+    cache.update(*states(2), 0)
+    assert_fails_unchanged(cache, lambda: cache.update(*states(2), layer_idx), error, match)
+
+
+# ----------------------------------------------------------------------------- a cache read with other codecs
+
+
+def _written_cache(kc, vc, tokens=5):
+    cache = paged(kc.bits, vc.bits)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(tokens, HEADS, DIM, generator=g), torch.randn(tokens, HEADS, DIM, generator=g)
+    kvlab.store_mse(k, v, torch.arange(tokens), cache, kc, vc)
+    return cache, torch.arange(tokens)
+
+
+@pytest.mark.parametrize("reader, part, match", [
+    (kvlab.MSECodec(DIM, 3), "key", "key_codec must be the codec that wrote this cache, mse\\(dim=64, bits=4"),
+    (kvlab.MSECodec(DIM, 4, seed=1), "key", "got mse\\(dim=64, bits=4, rotation='haar', seed=1"),
+    (kvlab.MSECodec(DIM, 4), "value", "value_codec must be the codec that wrote this cache, mse\\(dim=64, bits=3"),
+])
+def test_reading_with_another_codec_is_an_error(reader, part, match):
+    # keys 4 bits, values 3 bits: the same slot size as keys 3, values 4
+    cache, slots = _written_cache(kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3))
+    before = cache.clone()
+    with pytest.raises(ValueError, match=match):
+        kvlab.load_mse(cache, slots, reader, part=part, space="model")
+    assert torch.equal(cache, before)
+
+
+def test_reading_with_the_writing_codecs_is_correct():
+    kc, vc = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3)
+    cache, slots = _written_cache(kc, vc)
+    got = kvlab.load_mse(cache, slots, kvlab.MSECodec(DIM, 4), part="key", space="model", out_dtype=torch.float32)
+    k_codes, _ = read_slots(cache, slots, kvlab.MSESlot(DIM, 4, 3))
+    assert torch.allclose(got, kc.decode(k_codes), rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_with_another_seed_is_an_error():
+    kc, vc = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3)
+    cache, _ = _written_cache(kc, vc)
+    q = torch.randn(1, HEADS, DIM).half()
+    table, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([5])
+    with pytest.raises(ValueError, match="value_codec must be the codec that wrote this cache"):
+        kvlab.decode_attention(q, cache, table, lens, kc, kvlab.MSECodec(DIM, 3, seed=7))
+
+
+def test_codes_written_by_the_reference_are_not_vouched_for():
+    cache, slots = _written_cache(kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3))
+    other_k, other_v = kvlab.MSECodec(DIM, 3), kvlab.MSECodec(DIM, 4)  # same slot size
+    x = torch.randn(5, HEADS, DIM)
+    write_slots(cache, slots, other_k.encode(x), other_v.encode(x), kvlab.MSESlot(DIM, 3, 4))
+    got = kvlab.load_mse(cache, slots, other_k, part="key", space="model", out_dtype=torch.float32)
+    assert torch.allclose(got, other_k.decode(other_k.encode(x)), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+
+def _decode_setup(tokens=20, kind="mse"):
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(tokens, HEADS, DIM, generator=g), torch.randn(tokens, HEADS, DIM, generator=g)
+    if kind == "mse":
+        kc, vc = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 4)
+        cache = paged(4, 4, blocks=2)
+        kvlab.store_mse(k, v, torch.arange(tokens), cache, kc, vc)
+    else:
+        kc = vc = kvlab.AffineCodec(4, 32)
+        cache = torch.zeros(2, 16, HEADS, kvlab.AffineSlot(DIM, 4, 4, 32).slot_bytes, dtype=torch.uint8)
+        kvlab.store_affine_slots(k, v, torch.arange(tokens), cache, kc, vc)
+    return cache, kc, vc, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([tokens])
+
+
+@pytest.mark.parametrize("kind", ["mse", "affine"])
+@pytest.mark.parametrize("scale, magnitude", [(1e4, 1.0), (None, 5000.0)])
+def test_decode_with_large_scores_is_finite_and_right(kind, scale, magnitude):
+    cache, kc, vc, table, lens = _decode_setup(kind=kind)
+    q = (torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(9)) * magnitude).half()
+    out = kvlab.decode_attention(q, cache, table, lens, kc, vc, scale=scale)
+    ref = decode_attention_reference(q, cache, table, lens, kc, vc, scale=scale)
+    assert torch.isfinite(out).all()
+    assert float((out.float() - ref).norm() / ref.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("table, lens", [
+    ([[0, 1000]], [20]), ([[-3, 1]], [20]), ([[0, 1]], [10**6]), ([[0, 1]], [-5]),
+])
+def test_unchecked_decode_never_reads_outside_the_cache(table, lens):
+    cache, kc, vc, _, _ = _decode_setup()
+    q = torch.randn(1, HEADS, DIM).half()
+    out = kvlab.decode_attention(q, cache, torch.tensor(table, dtype=torch.int32), torch.tensor(lens), kc, vc,
+                                 check=False)
+    assert out.shape == q.shape  # garbage in, numbers out: no read outside the cache
+
+
+@pytest.mark.parametrize("table, lens, match", [
+    ([[0, 1000]], [20], r"block_table entries of used blocks must be in \[0, 2\)"),
+    ([[0, 1]], [10**6], r"seq_lens must be <= max_blocks \* block_size = 32"),
+    ([[0, 1]], [0], "seq_lens must be >= 1"),
+])
+def test_checked_decode_names_the_bad_argument(table, lens, match):
+    cache, kc, vc, _, _ = _decode_setup()
+    with pytest.raises(ValueError, match=match):
+        kvlab.decode_attention(torch.randn(1, HEADS, DIM).half(), cache, torch.tensor(table, dtype=torch.int32),
+                               torch.tensor(lens), kc, vc)
+
+
+# ----------------------------------------------------------------------------- low-level helpers
+
+
+@pytest.mark.parametrize("idx, bits, error, match", [
+    (torch.tensor([1, 16, 2]), 4, ValueError, r"idx values must be integers in \[0, 16\) for bits=4"),
+    (torch.tensor([1, -1, 2]), 4, ValueError, r"idx values must be integers in \[0, 16\)"),
+    (torch.tensor([1, 4]), 2, ValueError, r"idx values must be integers in \[0, 4\)"),
+    (torch.tensor([1.0, 2.0]), 4, TypeError, "idx must have dtype in"),
+    (torch.tensor(3), 4, ValueError, "idx must have at least 1 dimension"),
+    ([1, 2], 4, TypeError, "idx must be a torch.Tensor"),
+    (torch.tensor([1, 2]), 5, ValueError, r"bits must be one of \(2, 3, 4, 8\)"),
+])
+def test_pack_indices_refuses_what_it_cannot_represent(idx, bits, error, match):
+    with pytest.raises(error, match=match):
+        kvlab.pack_indices(idx, bits)
+
+
+@pytest.mark.parametrize("packed, n, error, match", [
+    (torch.zeros(3, dtype=torch.uint8), 4, ValueError, r"packed's last dimension must be packed_bytes\(n=4, bits=4\) = 2"),
+    (torch.zeros(2, dtype=torch.uint8), -1, ValueError, "n must be >= 0"),
+    (torch.zeros(2, dtype=torch.uint8), 2.5, TypeError, "n must be an int"),
+    (torch.zeros(2, dtype=torch.int32), 4, TypeError, "packed must have dtype in"),
+])
+def test_unpack_indices_refuses_mismatched_lengths(packed, n, error, match):
+    with pytest.raises(error, match=match):
+        kvlab.unpack_indices(packed, 4, n)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_pack_unpack_round_trip_at_the_edges(bits):
+    idx = torch.tensor([0, (1 << bits) - 1, 1, (1 << bits) - 2, 0])
+    assert torch.equal(kvlab.unpack_indices(kvlab.pack_indices(idx, bits), bits, 5), idx)
+    assert kvlab.unpack_indices(kvlab.pack_indices(idx[:0], bits), bits, 0).shape == (0,)
+
+
+@pytest.mark.parametrize("dim, bits, match", [
+    (-1, 4, "dim must be an int >= 0"), (2.5, 4, "dim must be an int >= 0"), (4, 0, r"bits must be an int in \[1, 8\]"),
+    (4, 9, r"bits must be an int in \[1, 8\]"), (4, 4.0, r"bits must be an int in \[1, 8\]"),
+])
+def test_packed_bytes_sizes(dim, bits, match):
+    with pytest.raises(ValueError, match=match):
+        kvlab.packed_bytes(dim, bits)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 4, 4), "dim must be an int >= 1"), ((64.0, 4, 4), "dim must be an int >= 1"),
+    ((64, 8, 4), "key_bits must be 2, 3 or 4"), ((64, 4, 1), "value_bits must be 2, 3 or 4"),
+])
+def test_mse_slot_sizes(args, match):
+    with pytest.raises(ValueError, match=match):
+        kvlab.MSESlot(*args)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: kvlab.lloyd_max(4, 10**12), r"dim must be in \[3, 16777216\]"),
+    (lambda: kvlab.MSECodec(10**7, 4), r"dim must be in \[3, 8192\]"),
+    (lambda: kvlab.rotation.rotation_matrix("haar", 10**6), r"dim must be in \[3, 8192\]"),
+    (lambda: KVCache(KVFormat("mse", 4), num_layers=1, num_kv_heads=1, head_dim=10**6), r"head_dim must be in \[3, 8192\]"),
+])
+def test_absurd_dimensions_fail_at_once(make, match):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        make()
+    assert time.monotonic() - start < 0.5
+
+
+# ----------------------------------------------------------------------------- both ends of fp16's range
+
+
+@pytest.mark.parametrize("factor, match", [(1e-6, "below 6.10352e-05"), (1e4, "above 65504")])
+def test_mse_scales_outside_fp16_are_errors_at_both_ends(factor, match):
+    x = torch.randn(3, DIM) * factor
+    with pytest.raises(ValueError, match=match):
+        kvlab.MSECodec(DIM, 4).encode(x)
+
+
+def test_mse_zero_and_smallest_normal_vectors_encode():
+    codec = kvlab.MSECodec(DIM, 4)
+    x = torch.zeros(2, DIM)
+    x[1] = torch.randn(DIM) / torch.randn(DIM).norm() * 1e-3  # norm 1e-3: a normal fp16 scale
+    y = codec.decode(codec.encode(x))
+    assert torch.equal(y[0], torch.zeros(DIM))
+    assert float((y[1] - x[1]).norm() / x[1].norm()) < 0.2  # the codec's error, not 1.0
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_affine_groups_decoding_to_zeros_are_errors_reference_and_kernel_alike(axis):
+    x = torch.randn(32, DIM)
+    x[:, :32] *= 1e-9  # token axis: every row's first group; channel axis: channels 0-31 of the token group
+    codec = kvlab.AffineCodec(4, 32, axis)
+    with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
+        codec.encode(x)
+    with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
+        kvlab.pack_affine(x, 4, 32, axis)
+    # zeros are exact, and a subnormal scale (range 3e-6) decodes to the right values
+    zeros = torch.zeros(32, DIM)
+    assert torch.equal(kvlab.pack_affine(zeros, 4, 32, axis), codec.encode(zeros))
+    small = torch.rand(32, DIM) * 3e-6
+    codes = kvlab.pack_affine(small, 4, 32, axis)
+    assert torch.equal(codes, codec.encode(small))
+    assert float((codec.decode(codes, DIM) - small).norm() / small.norm()) < 0.2  # not zeros (error 1.0)
+
+
+def test_mixed_affine_groups_decoding_to_zeros_are_errors():
+    layout = kvlab.MixedAffineLayout([4, 8], DIM, 32)
+    x = torch.randn(3, 2, DIM)
+    x[1, 1, 32:] = 1e-9
+    with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
+        kvlab.pack_affine_mixed(x, layout)
+
+
+def test_store_mse_tiny_vectors_are_an_error_and_the_cache_is_unchanged():
+    kc, vc = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3)
+    cache, slots = _written_cache(kc, vc)
+    before = cache.clone()
+    k = torch.randn(5, HEADS, DIM)
+    k[2, 1] *= 1e-7
+    with pytest.raises(ValueError, match="key has nonzero vectors with norm below 6.10352e-05"):
+        kvlab.store_mse(k, torch.randn(5, HEADS, DIM), slots, cache, kc, vc)
+    assert torch.equal(cache, before)  # the slots written before the check are put back
