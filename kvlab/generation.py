@@ -62,6 +62,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _checks as C
 from .cache import KVCache, KVFormat
+from .affine import pack_affine
 from .decode import AffineSlot, decode_attention, prefill_attention, store_affine_slots
 from .layout import MSESlot
 from .mse import store_mse
@@ -148,6 +149,8 @@ class PagedKVCacheLayer(CacheLayerMixin):
     def _slots(self, n: int, valid: torch.Tensor | None) -> torch.Tensor:
         """Slots of ``n`` new tokens per sequence, sequence-major ``[B * n]``; -1 for tokens not stored."""
         o = self.owner
+        if valid is None and n == 1:  # a decode step: sequence b's next slot is its first slot plus its length
+            return o.first_slot + self.seq_lens
         if valid is None:
             rank = torch.arange(n, device=o.device).expand(o.batch, n)
         else:
@@ -174,6 +177,10 @@ class PagedKVCacheLayer(CacheLayerMixin):
         if o.backend == "triton":
             if o.kind == "mse":
                 store_mse(k, v, slots, self.cache, kc, vc, check=False)
+            elif valid is None:  # every slot is written: plain indexing, no mask (nothing syncs; a CUDA graph holds it)
+                codes = torch.cat([pack_affine(k, kc.bits, kc.group_size, "token", check=False),
+                                   pack_affine(v, vc.bits, vc.group_size, "token", check=False)], -1)
+                self.cache.view(-1, heads, o.slot_bytes)[slots] = codes
             else:
                 store_affine_slots(k, v, slots, self.cache, kc, vc, check=False)
         elif o.kind == "mse":
@@ -262,6 +269,7 @@ class PagedKVCache(Cache):
         # sequence b owns blocks [b * max_blocks, (b + 1) * max_blocks): one table for every layer
         self.block_table = torch.arange(batch_size * self.max_blocks, dtype=torch.int32, device=device).view(
             batch_size, self.max_blocks)
+        self.first_slot = self.block_table[:, 0] * block_size  # blocks of a sequence are consecutive
         super().__init__(layers=[PagedKVCacheLayer(self, i) for i in range(num_layers)])
 
     def __repr__(self) -> str:
