@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import platform
@@ -198,6 +199,7 @@ def measure(model, name, mode, batch, context, steps):
         row.update(status=f"error: {type(e).__name__}: {str(e)[:160]}")
     finally:
         del cache
+        gc.collect()
         torch.cuda.empty_cache()
     print(" ", {k: row.get(k) for k in KEYS if k in row}, flush=True)
     return row

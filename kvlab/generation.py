@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +112,8 @@ class PagedKVCacheLayer(CacheLayerMixin):
 
     def __init__(self, owner: "PagedKVCache", layer_idx: int):
         super().__init__()
-        self.owner, self.layer_idx, self.batch_size = owner, layer_idx, owner.batch
+        # the cache owns its layers; a layer sees the cache through a weak proxy, so no cycle keeps the codes alive
+        self.owner, self.layer_idx, self.batch_size = weakref.proxy(owner), layer_idx, owner.batch
         self.length = 0  # tokens given per sequence, padding included (the model's view of the cache)
         self.attended = False  # whether kvlab's attention read this layer since its last store
         o = owner

@@ -203,3 +203,18 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="cuda_graph"):
         generate(model, ids, KVFormat("mse", 4), 4, cuda_graph=True)
     assert model.config._attn_implementation == "sdpa"  # a failed call puts the attention back
+
+
+def test_a_dropped_cache_frees_its_codes():
+    import gc
+    import weakref
+
+    model = tiny_model(4, 2, 64, layers=1)
+    out = generate(model, torch.randint(3, VOCAB, (1, 5)), KVFormat("mse", 4), 3, backend="reference")
+    codes = weakref.ref(out.cache.layers[0].cache)
+    gc.disable()
+    try:
+        del out
+        assert codes() is None, "no reference cycle holds the codes"
+    finally:
+        gc.enable()
