@@ -30,6 +30,7 @@ from kvlab.reference import decode_attention_reference, read_slots, write_slots
 
 NOTEBOOK = Path(__file__).parent / "data" / "sweep_point.ipynb"
 DIM, HEADS = 64, 2
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # kernel calls: CUDA tensors, or CPU ones under the interpreter
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -86,7 +87,7 @@ def folder_state(path: Path) -> dict:
 
 def paged(kb=4, vb=3, blocks=4, block_size=16):
     layout = kvlab.MSESlot(DIM, kb, vb)
-    return torch.zeros(blocks, block_size, HEADS, layout.slot_bytes, dtype=torch.uint8)
+    return torch.zeros(blocks, block_size, HEADS, layout.slot_bytes, dtype=torch.uint8, device=DEVICE)
 
 
 # ----------------------------------------------------------------------------- sweep results
@@ -369,8 +370,9 @@ def _written_cache(kc, vc, tokens=5):
     cache = paged(kc.bits, vc.bits)
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(tokens, HEADS, DIM, generator=g), torch.randn(tokens, HEADS, DIM, generator=g)
-    kvlab.store_mse(k, v, torch.arange(tokens), cache, kc, vc)
-    return cache, torch.arange(tokens)
+    slots = torch.arange(tokens, device=DEVICE)
+    kvlab.store_mse(k.to(DEVICE), v.to(DEVICE), slots, cache, kc, vc)
+    return cache, slots
 
 
 @pytest.mark.parametrize("reader, part, match", [
@@ -398,8 +400,8 @@ def test_reading_with_the_writing_codecs_is_correct():
 def test_decode_attention_with_another_seed_is_an_error():
     kc, vc = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3)
     cache, _ = _written_cache(kc, vc)
-    q = torch.randn(1, HEADS, DIM).half()
-    table, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([5])
+    q = torch.randn(1, HEADS, DIM).half().to(DEVICE)
+    table, lens = torch.tensor([[0]], dtype=torch.int32, device=DEVICE), torch.tensor([5], device=DEVICE)
     with pytest.raises(ValueError, match="value_codec must be the codec that wrote this cache"):
         kvlab.decode_attention(q, cache, table, lens, kc, kvlab.MSECodec(DIM, 3, seed=7))
 
@@ -407,7 +409,7 @@ def test_decode_attention_with_another_seed_is_an_error():
 def test_codes_written_by_the_reference_are_not_vouched_for():
     cache, slots = _written_cache(kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3))
     other_k, other_v = kvlab.MSECodec(DIM, 3), kvlab.MSECodec(DIM, 4)  # same slot size
-    x = torch.randn(5, HEADS, DIM)
+    x = torch.randn(5, HEADS, DIM).to(DEVICE)
     write_slots(cache, slots, other_k.encode(x), other_v.encode(x), kvlab.MSESlot(DIM, 3, 4))
     got = kvlab.load_mse(cache, slots, other_k, part="key", space="model", out_dtype=torch.float32)
     assert torch.allclose(got, other_k.decode(other_k.encode(x)), rtol=1e-5, atol=1e-6)
@@ -419,22 +421,24 @@ def test_codes_written_by_the_reference_are_not_vouched_for():
 def _decode_setup(tokens=20, kind="mse"):
     g = torch.Generator().manual_seed(5)
     k, v = torch.randn(tokens, HEADS, DIM, generator=g), torch.randn(tokens, HEADS, DIM, generator=g)
+    k, v, slots = k.to(DEVICE), v.to(DEVICE), torch.arange(tokens, device=DEVICE)
     if kind == "mse":
         kc, vc = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 4)
         cache = paged(4, 4, blocks=2)
-        kvlab.store_mse(k, v, torch.arange(tokens), cache, kc, vc)
+        kvlab.store_mse(k, v, slots, cache, kc, vc)
     else:
         kc = vc = kvlab.AffineCodec(4, 32)
-        cache = torch.zeros(2, 16, HEADS, kvlab.AffineSlot(DIM, 4, 4, 32).slot_bytes, dtype=torch.uint8)
-        kvlab.store_affine_slots(k, v, torch.arange(tokens), cache, kc, vc)
-    return cache, kc, vc, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([tokens])
+        cache = torch.zeros(2, 16, HEADS, kvlab.AffineSlot(DIM, 4, 4, 32).slot_bytes, dtype=torch.uint8, device=DEVICE)
+        kvlab.store_affine_slots(k, v, slots, cache, kc, vc)
+    table, lens = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE), torch.tensor([tokens], device=DEVICE)
+    return cache, kc, vc, table, lens
 
 
 @pytest.mark.parametrize("kind", ["mse", "affine"])
 @pytest.mark.parametrize("scale, magnitude", [(1e4, 1.0), (None, 5000.0)])
 def test_decode_with_large_scores_is_finite_and_right(kind, scale, magnitude):
     cache, kc, vc, table, lens = _decode_setup(kind=kind)
-    q = (torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(9)) * magnitude).half()
+    q = (torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(9)) * magnitude).half().to(DEVICE)
     out = kvlab.decode_attention(q, cache, table, lens, kc, vc, scale=scale)
     ref = decode_attention_reference(q, cache, table, lens, kc, vc, scale=scale)
     assert torch.isfinite(out).all()
@@ -446,9 +450,9 @@ def test_decode_with_large_scores_is_finite_and_right(kind, scale, magnitude):
 ])
 def test_unchecked_decode_never_reads_outside_the_cache(table, lens):
     cache, kc, vc, _, _ = _decode_setup()
-    q = torch.randn(1, HEADS, DIM).half()
-    out = kvlab.decode_attention(q, cache, torch.tensor(table, dtype=torch.int32), torch.tensor(lens), kc, vc,
-                                 check=False)
+    q = torch.randn(1, HEADS, DIM).half().to(DEVICE)
+    out = kvlab.decode_attention(q, cache, torch.tensor(table, dtype=torch.int32, device=DEVICE),
+                                 torch.tensor(lens, device=DEVICE), kc, vc, check=False)
     assert out.shape == q.shape  # garbage in, numbers out: no read outside the cache
 
 
@@ -460,8 +464,9 @@ def test_unchecked_decode_never_reads_outside_the_cache(table, lens):
 def test_checked_decode_names_the_bad_argument(table, lens, match):
     cache, kc, vc, _, _ = _decode_setup()
     with pytest.raises(ValueError, match=match):
-        kvlab.decode_attention(torch.randn(1, HEADS, DIM).half(), cache, torch.tensor(table, dtype=torch.int32),
-                               torch.tensor(lens), kc, vc)
+        kvlab.decode_attention(torch.randn(1, HEADS, DIM).half().to(DEVICE), cache,
+                               torch.tensor(table, dtype=torch.int32, device=DEVICE), torch.tensor(lens, device=DEVICE),
+                               kc, vc)
 
 
 # ----------------------------------------------------------------------------- low-level helpers
@@ -551,7 +556,7 @@ def test_mse_zero_and_smallest_normal_vectors_encode():
 
 @pytest.mark.parametrize("axis", ["token", "channel"])
 def test_affine_groups_decoding_to_zeros_are_errors_reference_and_kernel_alike(axis):
-    x = torch.randn(32, DIM)
+    x = torch.randn(32, DIM).to(DEVICE)
     x[:, :32] *= 1e-9  # token axis: every row's first group; channel axis: channels 0-31 of the token group
     codec = kvlab.AffineCodec(4, 32, axis)
     with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
@@ -559,9 +564,9 @@ def test_affine_groups_decoding_to_zeros_are_errors_reference_and_kernel_alike(a
     with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
         kvlab.pack_affine(x, 4, 32, axis)
     # zeros are exact, and a subnormal scale (range 3e-6) decodes to the right values
-    zeros = torch.zeros(32, DIM)
+    zeros = torch.zeros(32, DIM, device=DEVICE)
     assert torch.equal(kvlab.pack_affine(zeros, 4, 32, axis), codec.encode(zeros))
-    small = torch.rand(32, DIM) * 3e-6
+    small = (torch.rand(32, DIM) * 3e-6).to(DEVICE)
     codes = kvlab.pack_affine(small, 4, 32, axis)
     assert torch.equal(codes, codec.encode(small))
     assert float((codec.decode(codes, DIM) - small).norm() / small.norm()) < 0.2  # not zeros (error 1.0)
@@ -569,7 +574,7 @@ def test_affine_groups_decoding_to_zeros_are_errors_reference_and_kernel_alike(a
 
 def test_mixed_affine_groups_decoding_to_zeros_are_errors():
     layout = kvlab.MixedAffineLayout([4, 8], DIM, 32)
-    x = torch.randn(3, 2, DIM)
+    x = torch.randn(3, 2, DIM).to(DEVICE)
     x[1, 1, 32:] = 1e-9
     with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
         kvlab.pack_affine_mixed(x, layout)
@@ -582,5 +587,5 @@ def test_store_mse_tiny_vectors_are_an_error_and_the_cache_is_unchanged():
     k = torch.randn(5, HEADS, DIM)
     k[2, 1] *= 1e-7
     with pytest.raises(ValueError, match="key has nonzero vectors with norm below 6.10352e-05"):
-        kvlab.store_mse(k, torch.randn(5, HEADS, DIM), slots, cache, kc, vc)
+        kvlab.store_mse(k.to(DEVICE), torch.randn(5, HEADS, DIM).to(DEVICE), slots, cache, kc, vc)
     assert torch.equal(cache, before)  # the slots written before the check are put back
