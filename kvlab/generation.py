@@ -71,7 +71,7 @@ from .reference import (
     AffineCodec, MSECodec, decode_attention_reference, prefill_attention_reference, write_affine_slots, write_slots,
 )
 
-__all__ = ["ATTENTION", "GenerateOutput", "PagedKVCache", "fused_support", "generate"]
+__all__ = ["ATTENTION", "GenerateOutput", "PagedKVCache", "fused_support", "generate", "replay_logits"]
 
 ATTENTION = "kvlab"  # the attention implementation name: model.set_attn_implementation(kvlab.ATTENTION)
 HEAD_DIMS = (64, 128, 256)
@@ -192,16 +192,16 @@ class PagedKVCacheLayer(CacheLayerMixin):
         self.seq_lens += n if valid is None else valid.sum(1, dtype=torch.int32)
         self.length += n
 
-    def decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, scale: float, block_table=None, seq_lens=None, backend=None) -> torch.Tensor:
         """Attention of ``q [B, Hq, D]`` (one token per sequence) over the stored tokens: ``[B, Hq, D]``."""
         o = self.owner
-        if o.backend == "reference":
-            out = decode_attention_reference(q, self.cache, o.block_table, self.seq_lens, o.key_codec, o.value_codec,
-                                             scale=scale)
+        table = o.block_table if block_table is None else block_table
+        lens = self.seq_lens if seq_lens is None else seq_lens
+        if (backend or o.backend) == "reference":
+            out = decode_attention_reference(q, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale)
             return out.to(q.dtype)
         qh = q if q.dtype in COMPUTE_DTYPES else q.to(torch.float16)
-        out = decode_attention(qh, self.cache, o.block_table, self.seq_lens, o.key_codec, o.value_codec, scale=scale,
-                               check=False)
+        out = decode_attention(qh, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale, check=False)
         return out.to(q.dtype)
 
     def prefill(self, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -529,3 +529,64 @@ def _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample
         static_ids.copy_(tokens[:, i : i + 1])
         static_pos += 1
     return tokens
+
+
+# ----------------------------------------------------------------------------- the same codes, read two ways
+
+
+@torch.no_grad()
+def replay_logits(model, cache: PagedKVCache, sequences: torch.Tensor, path: str = "fused",
+                  backend: str | None = None) -> torch.Tensor:
+    """Logits ``[B, T, vocab]`` of ``sequences`` ``[B, T]`` with every layer attending over the codes ``cache`` holds.
+
+    Position ``t`` of sequence ``b`` attends causally over the stored tokens ``0 .. t`` of that sequence; nothing is
+    stored (the codes stay as they are), so both paths read exactly the same cache contents. ``path="fused"``:
+    ``decode_attention`` for every position at once (one query per position, as a batch); ``"materialising"``:
+    ``prefill_attention`` (model-space K/V from one inverse rotation, then SDPA). The cache must hold at least ``T``
+    tokens of every sequence, unpadded (as ``kvlab.generate`` leaves it without an attention mask). ``backend``:
+    ``"triton"`` or ``"reference"`` (default: the cache's).
+    """
+    C.check_choice("path", path, ("fused", "materialising"))
+    if backend is not None:
+        C.check_choice("backend", backend, ("triton", "reference"))
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a kvlab.PagedKVCache, got {type(cache).__name__}")
+    C.check_tensor("sequences", sequences, (torch.int64, torch.int32))
+    batch, T = sequences.shape
+    if batch != cache.batch or bool((cache.layers[0].seq_lens < T).any()):
+        raise ValueError(f"sequences must be [{cache.batch}, T] with T at most the tokens the cache holds, "
+                         f"got {tuple(sequences.shape)}")
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        layer = cache.layers[module.layer_idx]
+        b, hq, n, dim = query.shape
+        scale = dim**-0.5 if scaling is None else float(scaling)
+        lens = torch.arange(1, n + 1, dtype=torch.int32, device=query.device).repeat(b)  # position t sees t + 1 tokens
+        table = cache.block_table.repeat_interleave(n, 0)
+        q = query.transpose(1, 2).reshape(b * n, hq, dim)
+        if path == "fused":
+            out = layer.decode(q, scale, table, lens, backend)
+        else:
+            out = _materialise_each(layer, q, table, lens, scale, backend)
+        return out.view(b, n, hq, dim), None
+
+    name = f"kvlab-replay-{path}"
+    AttentionInterface.register(name, attend)
+    AttentionMaskInterface.register(name, lambda *a, **k: None)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        return model(input_ids=sequences, use_cache=False).logits
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _materialise_each(layer: PagedKVCacheLayer, q: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, scale: float,
+                      backend: str | None = None):
+    """``prefill_attention`` of one query per row (row ``i``: a sequence of ``lens[i]`` tokens)."""
+    o = layer.owner
+    q4 = q[:, None]  # [rows, 1, Hq, D]: the last token of each row's sequence
+    if (backend or o.backend) == "reference":
+        return prefill_attention_reference(q4, layer.cache, table, lens, o.key_codec, o.value_codec, scale=scale)[:, 0].to(q.dtype)
+    qh = q4 if q4.dtype in COMPUTE_DTYPES else q4.to(torch.float16)
+    return prefill_attention(qh, layer.cache, table, lens, o.key_codec, o.value_codec, scale=scale)[:, 0].to(q.dtype)

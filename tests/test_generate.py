@@ -218,3 +218,20 @@ def test_a_dropped_cache_frees_its_codes():
         assert codes() is None, "no reference cycle holds the codes"
     finally:
         gc.enable()
+
+
+def test_replay_reads_the_same_codes_both_ways():
+    from kvlab.generation import replay_logits
+
+    model = tiny_model(4, 2, 64, layers=1)
+    ids = torch.randint(3, VOCAB, (1, 9))
+    out = generate(model, ids, KVFormat("mse", 3, 4), 6, backend="reference")
+    seq = out.sequences[:, :-1]
+    a = replay_logits(model, out.cache, seq, "fused", "triton")
+    b = replay_logits(model, out.cache, seq, "materialising", "reference")
+    torch.testing.assert_close(a, b, atol=5e-2, rtol=0)
+    assert torch.equal(a[0, 8:].argmax(-1), out.sequences[0, 9:])  # the replay reproduces what was generated
+    with pytest.raises(ValueError, match="path"):
+        replay_logits(model, out.cache, seq, "dense")
+    with pytest.raises(ValueError, match="sequences"):
+        replay_logits(model, out.cache, out.sequences.repeat(1, 2))
