@@ -654,6 +654,18 @@ class KVCacheLayer(CacheLayerMixin):
 # ----------------------------------------------------------------------------- the cache
 
 
+def model_shape(config, who: str = "KVCache") -> tuple[int, int, int]:
+    """``(layers, KV heads, head_dim)`` of a transformers config; ValueError unless every layer is full attention."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_layers = text.num_hidden_layers
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    for kind in set(getattr(text, "layer_types", None) or ["full_attention"]):
+        if kind != "full_attention":
+            raise ValueError(f"{who} supports models with full attention layers only, got layer type {kind!r}")
+    return num_layers, num_kv_heads, head_dim
+
+
 class KVCache(Cache):
     """A transformers ``Cache`` whose layers store K and V as kvlab codes (see the module docstring).
 
@@ -681,13 +693,7 @@ class KVCache(Cache):
         if config is not None:
             if num_layers is not None or num_kv_heads is not None or head_dim is not None:
                 raise ValueError("pass either config or num_layers, num_kv_heads and head_dim, not both")
-            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-            num_layers = text.num_hidden_layers
-            num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            for kind in set(getattr(text, "layer_types", None) or ["full_attention"]):
-                if kind != "full_attention":
-                    raise ValueError(f"KVCache supports models with full attention layers only, got layer type {kind!r}")
+            num_layers, num_kv_heads, head_dim = model_shape(config, "KVCache")
         elif num_layers is None or num_kv_heads is None or head_dim is None:
             raise TypeError("KVCache needs config= or all of num_layers=, num_kv_heads=, head_dim=")
         C.check_int("num_layers", num_layers, minimum=1)

@@ -62,7 +62,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _checks as C
-from .cache import KVCache, KVFormat
+from .cache import KVCache, KVFormat, model_shape
 from .affine import pack_affine
 from .decode import AffineSlot, decode_attention, prefill_attention, store_affine_slots
 from .layout import MSESlot
@@ -238,13 +238,7 @@ class PagedKVCache(Cache):
                  backend: str = "auto"):
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a kvlab.KVFormat, got {type(fmt).__name__}")
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        num_layers = text.num_hidden_layers
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        for kind in set(getattr(text, "layer_types", None) or ["full_attention"]):
-            if kind != "full_attention":
-                raise ValueError(f"PagedKVCache supports models with full attention layers only, got layer type {kind!r}")
+        num_layers, num_kv_heads, head_dim = model_shape(config, "PagedKVCache")
         why = fused_support(fmt, head_dim)
         if why is not None:
             raise ValueError(f"PagedKVCache cannot hold {fmt!r}: {why}; kvlab.KVCache holds every format")
@@ -437,8 +431,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         if bool(attention_mask.all()):
             attention_mask = None
     config = model.config
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = model_shape(config, "kvlab.generate")[2]
     why = fused_support(fmt, head_dim)
     total = prompt + max_new_tokens
     if max_length is None:
