@@ -1,0 +1,25 @@
+"""Committed results measured with kvlab's codecs were measured with the codecs as they are now."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlab.fingerprint import codec_fingerprint
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+# results a page compares its live measurements with: they must carry the fingerprint of the codecs they used
+CODEC_RESULTS = ["keys_at_three_bits.json"]
+
+
+@pytest.mark.parametrize("name", CODEC_RESULTS)
+def test_committed_results_match_the_codecs(name):
+    data = json.loads((RESULTS / name).read_text())
+    assert "codec_fingerprint" in data, f"results/{name} does not record the codecs it was measured with"
+    assert data["codec_fingerprint"] == codec_fingerprint(), (
+        f"results/{name} was measured with codecs that wrote other bytes: measure it again "
+        f"(its 'command' field says how)")
+
+
+def test_fingerprint_is_stable():
+    assert codec_fingerprint() == codec_fingerprint()
