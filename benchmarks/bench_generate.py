@@ -142,10 +142,8 @@ def time_steps(model, cache, batch: int, context: int, steps: int, graph: bool):
             with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
                 step()
             torch.cuda.current_stream().wait_stream(s)
-            if paged:
+            if paged:  # capture ran the step's Python, not its kernels (StaticCache counts on the device)
                 cache.advance(-1)
-            elif hasattr(cache, "layers"):  # StaticCache counts on the device: capture did not run the step
-                pass
             run = g.replay
         else:
             run = step

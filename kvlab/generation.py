@@ -115,7 +115,6 @@ class PagedKVCacheLayer(CacheLayerMixin):
         # the cache owns its layers; a layer sees the cache through a weak proxy, so no cycle keeps the codes alive
         self.owner, self.layer_idx, self.batch_size = weakref.proxy(owner), layer_idx, owner.batch
         self.length = 0  # tokens given per sequence, padding included (the model's view of the cache)
-        self.attended = False  # whether kvlab's attention read this layer since its last store
         o = owner
         self.cache = torch.zeros(o.batch * o.max_blocks, o.block_size, o.num_kv_heads, o.slot_bytes,
                                  dtype=torch.uint8, device=o.device)
@@ -204,15 +203,16 @@ class PagedKVCacheLayer(CacheLayerMixin):
         out = decode_attention(qh, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale, check=False)
         return out.to(q.dtype)
 
-    def prefill(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, scale: float, block_table=None, seq_lens=None, backend=None) -> torch.Tensor:
         """Causal attention of ``q [B, n, Hq, D]``, the last ``n`` stored tokens, over the context: ``[B, n, Hq, D]``."""
         o = self.owner
-        if o.backend == "reference":
-            out = prefill_attention_reference(q, self.cache, o.block_table, self.seq_lens, o.key_codec, o.value_codec,
-                                              scale=scale)
+        table = o.block_table if block_table is None else block_table
+        lens = self.seq_lens if seq_lens is None else seq_lens
+        if (backend or o.backend) == "reference":
+            out = prefill_attention_reference(q, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale)
             return out.to(q.dtype)
         qh = q if q.dtype in COMPUTE_DTYPES else q.to(torch.float16)
-        out = prefill_attention(qh, self.cache, o.block_table, self.seq_lens, o.key_codec, o.value_codec, scale=scale)
+        out = prefill_attention(qh, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale)
         return out.to(q.dtype)
 
     def nbytes(self) -> int:
@@ -559,8 +559,8 @@ def replay_logits(model, cache: PagedKVCache, sequences: torch.Tensor, path: str
         q = query.transpose(1, 2).reshape(b * n, hq, dim)
         if path == "fused":
             out = layer.decode(q, scale, table, lens, backend)
-        else:
-            out = _materialise_each(layer, q, table, lens, scale, backend)
+        else:  # one query per row: the last token of a sequence of lens[i] tokens
+            out = layer.prefill(q[:, None], scale, table, lens, backend)[:, 0]
         return out.view(b, n, hq, dim), None
 
     name = f"kvlab-replay-{path}"
@@ -573,13 +573,3 @@ def replay_logits(model, cache: PagedKVCache, sequences: torch.Tensor, path: str
     finally:
         model.set_attn_implementation(previous)
 
-
-def _materialise_each(layer: PagedKVCacheLayer, q: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, scale: float,
-                      backend: str | None = None):
-    """``prefill_attention`` of one query per row (row ``i``: a sequence of ``lens[i]`` tokens)."""
-    o = layer.owner
-    q4 = q[:, None]  # [rows, 1, Hq, D]: the last token of each row's sequence
-    if (backend or o.backend) == "reference":
-        return prefill_attention_reference(q4, layer.cache, table, lens, o.key_codec, o.value_codec, scale=scale)[:, 0].to(q.dtype)
-    qh = q4 if q4.dtype in COMPUTE_DTYPES else q4.to(torch.float16)
-    return prefill_attention(qh, layer.cache, table, lens, o.key_codec, o.value_codec, scale=scale)[:, 0].to(q.dtype)
