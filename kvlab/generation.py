@@ -572,4 +572,3 @@ def replay_logits(model, cache: PagedKVCache, sequences: torch.Tensor, path: str
         return model(input_ids=sequences, use_cache=False).logits
     finally:
         model.set_attn_implementation(previous)
-
