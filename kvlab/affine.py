@@ -730,6 +730,30 @@ def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMEN
     return block if block is not None else max(1, min(128, tile // row_elements))
 
 
+def pack_token_spec(x: torch.Tensor, codes: torch.Tensor, bits: int, group_size: int, *, check: bool = False,
+                    flags: torch.Tensor | None = None, block_rows: int | None = None, num_warps: int | None = None):
+    """The launch of ``affine_pack_token_kernel`` (a ``kvlab._launch`` spec): rows of ``x`` ``[n_rows, dim]``
+    (columns contiguous) encoded into the rows of ``codes`` ``[n_rows, code_bytes]`` uint8 (bytes contiguous, rows
+    any stride); ``flags``: int32, one per program, written when ``check`` (allocated when None)."""
+    n_rows, dim = x.shape
+    code_bytes = affine_code_bytes(dim, bits, group_size, "token")
+    block_gs = C.next_power_of_2(group_size)
+    block_g = C.next_power_of_2(dim // group_size)
+    block_rows = _rows_per_tile(block_rows, block_g * block_gs, PACK_TILE)
+    grid = (C.cdiv(n_rows, block_rows),)
+    if flags is None:
+        flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
+    args = dict(
+        x=x, codes=codes, flags=flags, n_rows=n_rows, stride_x=x.stride(0), stride_c=codes.stride(0),
+        BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
+        BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, CHECK=check,
+        # codes rows of code_bytes 4-byte aligned (a multiple of 4 when a group's code is)
+        WORDS=(bits == 3 and group_size % 32 == 0 and block_gs == group_size and code_bytes % 4 == 0
+               and codes.stride(0) % 4 == 0 and codes.data_ptr() % 4 == 0),
+    )  # fmt: skip
+    return affine_pack_token_kernel, grid, args, dict(num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False)
+
+
 def pack_affine(
     x: torch.Tensor,
     bits: int,
@@ -771,19 +795,10 @@ def pack_affine(
         n_rows = x.numel() // dim if dim else 0
         if n_rows == 0:
             return codes
-        block_g = C.next_power_of_2(dim // group_size)
-        block_rows = _rows_per_tile(block_rows, block_g * block_gs, PACK_TILE)
-        grid = (C.cdiv(n_rows, block_rows),)
-        flags = torch.empty(grid[0] if check else 1, dtype=torch.int32, device=x.device)
-        affine_pack_token_kernel[grid](
-            x, codes, flags,
-            n_rows, dim, code_bytes,
-            BITS=bits, GROUP_SIZE=group_size, NUM_GROUPS=dim // group_size,
-            BLOCK_ROWS=block_rows, BLOCK_GS=block_gs, BLOCK_G=block_g, CHECK=check,
-            # a fresh code tensor: rows of code_bytes (a multiple of 4 when a group's code is)
-            WORDS=bits == 3 and group_size % 32 == 0 and block_gs == group_size and code_bytes % 4 == 0,
-            num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False,
-        )  # fmt: skip
+        fn, grid, args, options = pack_token_spec(x.view(n_rows, dim), codes.view(n_rows, code_bytes), bits, group_size,
+                                                  check=check, block_rows=block_rows, num_warps=num_warps)
+        fn[grid](**args, **options)
+        flags = args["flags"]
     else:
         tokens = x.shape[-2]
         codes = torch.empty(*x.shape[:-2], tokens // group_size, code_bytes, dtype=torch.uint8, device=x.device)

@@ -761,21 +761,28 @@ def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
     return _to_model_space(output, value_codec)
 
 
+def _rotate_spec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None = None):
+    """The launch of ``_rotate_rows_kernel`` (``kvlab._launch`` spec): ``out = (x * scale) @ w`` (``x``, ``out``
+    contiguous, rows of ``w.shape[0]``)."""
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    block_c = min(32, dim)
+    args = dict(x_ptr=x, s_ptr=w if scale is None else scale, w_ptr=w, out_ptr=out, rows=rows,
+                S_ROWS=1 if scale is None else scale.shape[0], D=dim, HAS_SCALE=scale is not None, BLOCK_R=16,
+                BLOCK_C=block_c)
+    return _rotate_rows_kernel, (C.cdiv(rows, 16), dim // block_c), args, dict(num_warps=4)
+
+
 def _rotate_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``(x * scale) @ w`` over the last dimension of ``x`` in fp32, returned as ``dtype``: one launch of
     ``_rotate_rows_kernel`` (``w`` fp32 ``[dim, dim]``; ``scale`` fp32 ``[n, dim]``, row ``r`` of ``x``'s rows
     taking row ``r % n``). Decode rotates a few rows a call: one small kernel, not a cast, a GEMM and a cast."""
-    dim = x.shape[-1]
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    rows = x.numel() // dim
-    if rows:
-        block_c = min(32, dim)
+    if x.numel():
+        fn, grid, args, options = _rotate_spec(x, w, out, scale)
         with _on_device(x.device):
-            _rotate_rows_kernel[(C.cdiv(rows, 16), dim // block_c)](
-                x, w if scale is None else scale, w, out, rows, S_ROWS=1 if scale is None else scale.shape[0], D=dim,
-                HAS_SCALE=scale is not None, BLOCK_R=16, BLOCK_C=block_c, num_warps=4,
-            )  # fmt: skip
+            fn[grid](**args, **options)
     return out
 
 
@@ -870,15 +877,21 @@ def _partials(batch: int, num_q_heads: int, num_splits: int, dim: int, device):
             torch.empty(batch, num_q_heads, dim, dtype=torch.float32, device=device))
 
 
-def _merge(o_part, ml_part, order, out) -> None:
-    """Launch ``_merge_splits_kernel``: ``out`` (natural coordinate order) from the splits of ``o_part``."""
+def _merge_spec(o_part, ml_part, order, out):
+    """The launch of ``_merge_splits_kernel`` (``kvlab._launch`` spec): ``out`` (natural coordinate order) from
+    the splits of ``o_part``."""
     batch, num_q_heads, num_splits, dim = o_part.shape
     # on a GPU, 32 tile positions a program (more programs in flight); the interpreter, whole rows (fewer programs)
     block_d, block_s = (dim if out.device.type == "cpu" else min(32, dim)), min(64, max(2, C.next_power_of_2(num_splits)))
-    _merge_splits_kernel[(batch * num_q_heads, dim // block_d)](
-        o_part, ml_part, order, out, num_splits, D=dim, BLOCK_D=block_d, BLOCK_S=block_s,
-        STEPS=C.cdiv(num_splits, block_s), num_warps=2,
-    )  # fmt: skip
+    args = dict(o_part_ptr=o_part, ml_part_ptr=ml_part, coord_ptr=order, out_ptr=out, num_splits=num_splits, D=dim,
+                BLOCK_D=block_d, BLOCK_S=block_s, STEPS=C.cdiv(num_splits, block_s))
+    return _merge_splits_kernel, (batch * num_q_heads, dim // block_d), args, dict(num_warps=2)
+
+
+def _merge(o_part, ml_part, order, out) -> None:
+    """Launch ``_merge_splits_kernel`` (``_merge_spec``)."""
+    fn, grid, args, options = _merge_spec(o_part, ml_part, order, out)
+    fn[grid](**args, **options)
 
 
 @functools.lru_cache(maxsize=None)
@@ -927,44 +940,60 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
     batch, num_q_heads, dim = q.shape
     num_kv_heads = cache.shape[2]
     device = q.device
-    kb, vb = key_codec.bits, value_codec.bits
-    layout = MSESlot(dim, kb, vb)
-    assert layout.value_offset % 4 == 2, layout
-    q_scale = scale * LOG2E
-    rot_k = _cached(key_codec, ("mma_query_rotation", device, q_scale), key_codec.rotation,
-                    lambda r: (r.to(device=device, dtype=torch.float32)[:, decode_mma.query_order(dim, kb).to(device)]
-                               * q_scale).contiguous())
-    order_v = _cached(value_codec, ("mma_output_order", device), value_codec.centroids,
-                      lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
+    assert MSESlot(dim, key_codec.bits, value_codec.bits).value_offset % 4 == 2
+    rot_k, order_v = _mma_tables(key_codec, value_codec, dim, scale * LOG2E, device)
     q_in = _rotate_rows(q, rot_k, torch.float16)
     if check and not bool(torch.isfinite(q_in).all()):
         return None
     if not check:  # unchecked tables and lengths: clamped, so that no read leaves the cache
         block_table = block_table.clamp(0, cache.shape[0] - 1)
         seq_lens = seq_lens.clamp(0, capacity)
-    if num_splits is None:
-        num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
-    split_len = C.cdiv(C.cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
-    num_splits = C.cdiv(capacity, split_len)
+    split_len, num_splits = _mma_split_len(batch, num_kv_heads, capacity, num_splits, device)
     o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
     if batch == 0:
         return out.to(q.dtype)
+    grid, args, constants, options = _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec,
+                                                 value_codec, split_len, num_splits)
+    with _on_device(device):
+        decode_mma.launch(grid, args, constants, options)
+        _merge(o_part, ml_part, order_v, out)
+    return _to_model_space(out, value_codec, q.dtype)
+
+
+def _mma_tables(key_codec, value_codec, dim: int, q_scale: float, device):
+    """``(rotation of the query times q_scale, its columns in the loop's order; output coordinate order)``."""
+    rot_k = _cached(key_codec, ("mma_query_rotation", device, q_scale), key_codec.rotation,
+                    lambda r: (r.to(device=device, dtype=torch.float32)[:, decode_mma.query_order(dim, key_codec.bits).to(device)]
+                               * q_scale).contiguous())
+    order_v = _cached(value_codec, ("mma_output_order", device), value_codec.centroids,
+                      lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
+    return rot_k, order_v
+
+
+def _mma_split_len(batch: int, num_kv_heads: int, capacity: int, num_splits, device) -> tuple[int, int]:
+    """``(keys per split, splits)`` of the loop of ``kvlab.decode_mma`` (``num_splits`` None: the default)."""
+    if num_splits is None:
+        num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
+    split_len = C.cdiv(C.cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
+    return split_len, C.cdiv(capacity, split_len)
+
+
+def _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec, value_codec, split_len, num_splits):
+    """``(grid, arguments, constants, options)`` of ``decode_mma.launch`` for the loop of ``_decode_mma``."""
+    batch, num_q_heads, dim = q_in.shape
+    num_kv_heads = cache.shape[2]
+    layout = MSESlot(dim, key_codec.bits, value_codec.bits)
     group_rows = max(8, C.next_power_of_2(num_q_heads // num_kv_heads))
     max_registers = decode_mma.num_registers(group_rows)
     extra = {} if max_registers is None else dict(maxnreg=max_registers)
-    with _on_device(device):
-        decode_mma.launch(
-            (batch * num_kv_heads, num_splits),
-            (q_in, cache, block_table, seq_lens, o_part, ml_part, *_prmt_tables(key_codec), *_prmt_tables(value_codec),
-             split_len, num_splits, block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2)),
-            dict(HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=cache.shape[1], D=dim, KEY_NORM_OFFSET=layout.key_norm_offset,
-                 VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=layout.value_norm_offset, BG=group_rows,
-                 BITS_K=kb, BITS_V=vb, KEY_WORDS=decode_mma.key_words_layout(dim, kb),
-                 VALUE_WORDS=decode_mma.value_words_layout(dim, vb)),
-            dict(num_warps=1, **extra),
-        )  # fmt: skip
-        _merge(o_part, ml_part, order_v, out)
-    return _to_model_space(out, value_codec, q.dtype)
+    args = (q_in, cache, block_table, seq_lens, o_part, ml_part, *_prmt_tables(key_codec), *_prmt_tables(value_codec),
+            split_len, num_splits, block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2))
+    constants = dict(HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=cache.shape[1], D=dim,
+                     KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
+                     VALUE_NORM_OFFSET=layout.value_norm_offset, BG=group_rows, BITS_K=key_codec.bits,
+                     BITS_V=value_codec.bits, KEY_WORDS=decode_mma.key_words_layout(dim, key_codec.bits),
+                     VALUE_WORDS=decode_mma.value_words_layout(dim, value_codec.bits))
+    return (batch * num_kv_heads, num_splits), args, constants, dict(num_warps=1, **extra)
 
 
 def _fit_fp16(q32: torch.Tensor):
@@ -1105,49 +1134,19 @@ def decode_attention(
         raise ValueError("fast=True needs a CUDA device (inline PTX); use fast=False or None on the CPU")
 
     device = q.device
-    G = num_q_heads // num_kv_heads
     split_len = C.cdiv(C.cdiv(capacity, num_splits), block_n) * block_n
     num_splits = C.cdiv(capacity, split_len)  # no empty trailing splits
-    tables_k = tables_v = (0, 0, 0, 0)
     q_scale = scale * LOG2E  # base-2 exponentials: log2(e) rides on the softmax scale
     q_unscale = 1.0
+    t = _split_tables(kind, key_codec, value_codec, dim, q_scale, fast, device, centered, num_q_heads // num_kv_heads)
     if kind == "mse":
-        if fast:
-            tables_k, tables_v = _prmt_tables(key_codec), _prmt_tables(value_codec)
-            if tables_k is None or tables_v is None:
-                raise ValueError("fast=True needs a symmetric fp16 codebook for 4-bit codecs; use fast=False")
-        # the rotation with its columns in the key tile order, times q_scale: q R[:, order] is the
-        # permuted rotated query, ready for base-2 exponentials
-        rot_k = _cached(key_codec, ("query_rotation", device, q_scale), key_codec.rotation,
-                        lambda r: (r.to(device=device, dtype=torch.float32)[:, tile_order(key_codec.bits, dim).to(device)]
-                                   * q_scale).contiguous())
-        order_v = _cached(value_codec, ("tile_order", device), value_codec.centroids,
-                          lambda _: tile_order(value_codec.bits, dim).to(device=device, dtype=torch.int32))
-        key_scale = None
-        if centered is not None:  # q . (scale * z) = (q * scale) . z: scale the query, not the keys
-            key_scale = _cached(centered, ("scale_rows", device, G), centered.scale,
-                                lambda t: t.to(device=device, dtype=torch.float32).repeat_interleave(G, 0).contiguous())
-        q_in = _rotate_rows(q, rot_k, torch.float16, key_scale)
+        q_in = _rotate_rows(q, t["rot_q"], torch.float16, t["key_scale"])
         if check and not bool(torch.isfinite(q_in).all()):  # q * scale beyond fp16: scaled down, scores scaled back
-            q_in, q_unscale = _fit_fp16(_rotate_rows(q, rot_k, torch.float32, key_scale))
-        cent_k = _centroids(key_codec, device)  # the codebooks: the centroid of each code
-        cent_v = _centroids(value_codec, device)
-        assert layout.value_offset % 2 == 0, layout  # words of the value code: 4- or 2-byte aligned (_load_words)
-        offsets = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
-                       VALUE_NORM_OFFSET=layout.value_norm_offset, VALUE_ALIGN4=layout.value_offset % 4 == 0, GROUP=16)
+            q_in, q_unscale = _fit_fp16(_rotate_rows(q, t["rot_q"], torch.float32, t["key_scale"]))
     else:
         q_in = q.float()
         if fast:  # tiles in _affine_tile_order: the query's coordinates permuted to match, the output's put back
-            q_in = q_in[..., _cached(key_codec, ("affine_query_order", device, dim), key_codec.bits,
-                                     lambda b: _affine_tile_order(b, dim).to(device))]
-            order_v = _cached(value_codec, ("affine_tile_order", device, dim), value_codec.bits,
-                              lambda b: _affine_tile_order(b, dim).to(device=device, dtype=torch.int32))
-        else:
-            order_v = _cached(key_codec, ("natural_order", device, dim), key_codec.bits,
-                              lambda _: torch.arange(dim, dtype=torch.int32, device=device))
-        cent_k = cent_v = order_v  # unused
-        offsets = dict(KEY_NORM_OFFSET=0, VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=0,
-                       VALUE_ALIGN4=True, GROUP=key_codec.group_size)
+            q_in = q_in[..., t["order_q"]]
         q_in = q_in * q_scale
         q_in, q_unscale = _fit_fp16(q_in) if check else (q_in.to(torch.float16).contiguous(), 1.0)
     bias = None
@@ -1157,31 +1156,167 @@ def decode_attention(
     o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
     if batch == 0:
         return out.to(q.dtype)
-    extra = {} if num_stages is None else dict(num_stages=num_stages)
-    if max_registers is not None and not interpreted:
-        extra["maxnreg"] = max_registers
+    fn, grid, args, options = _split_spec(
+        q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t, key_codec, value_codec, split_len, num_blocks,
+        capacity, q_unscale, kind=kind, block_n=block_n, fast=fast, prefetch=prefetch, keys_as_rows=keys_as_rows,
+        interpreted=interpreted, num_warps=num_warps, num_stages=num_stages, max_registers=max_registers)
     with _on_device(device):
-        _decode_split_kernel[(batch * num_kv_heads, num_splits)](
-            q_in, cache, block_table, seq_lens, cent_k, cent_v, o_part, ml_part,
-            o_part if bias is None else bias,  # not read without a bias
-            *tables_k, *tables_v,
-            split_len, num_splits,
-            block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
-            0 if bias is None else bias.stride(1),
-            num_blocks, capacity, q_unscale,
-            HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=block_size, D=dim, AFFINE=kind == "affine",
-            BITS_K=key_codec.bits, BITS_V=value_codec.bits, **offsets,
-            BLOCK_G=max(16, C.next_power_of_2(G)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
-            PREFETCH=prefetch,
-            KEYS_AS_ROWS=keys_as_rows,
-            INTERPRETED=interpreted,
-            SPLIT_STEPS=split_len // block_n if interpreted else 0,
-            num_warps=num_warps, **extra,
-        )  # fmt: skip
-        _merge(o_part, ml_part, order_v, out)
+        fn[grid](**args, **options)
+        _merge(o_part, ml_part, t["order_v"], out)
     if kind == "mse":
         return _to_model_space(out, value_codec, q.dtype)
     return out.to(q.dtype)
+
+
+def _split_tables(kind, key_codec, value_codec, dim: int, q_scale: float, fast: bool, device, centered=None,
+                  group: int = 1) -> dict:
+    """Device tables of the split loop for a cache ``kind``: the query's rotation (``rot_q``, MSE: times
+    ``q_scale``, its columns in the key tile order) or coordinate order (``order_q``, affine with ``fast``),
+    the output's coordinate order ``order_v``, centroids, byte-plane tables and the slot offsets."""
+    t = dict(tables_k=(0, 0, 0, 0), tables_v=(0, 0, 0, 0), key_scale=None)
+    if kind == "mse":
+        if fast:
+            t["tables_k"], t["tables_v"] = _prmt_tables(key_codec), _prmt_tables(value_codec)
+            if t["tables_k"] is None or t["tables_v"] is None:
+                raise ValueError("fast=True needs a symmetric fp16 codebook for 4-bit codecs; use fast=False")
+        # the rotation with its columns in the key tile order, times q_scale: q R[:, order] is the
+        # permuted rotated query, ready for base-2 exponentials
+        t["rot_q"] = _cached(key_codec, ("query_rotation", device, q_scale), key_codec.rotation,
+                             lambda r: (r.to(device=device, dtype=torch.float32)[:, tile_order(key_codec.bits, dim).to(device)]
+                                        * q_scale).contiguous())
+        t["order_v"] = _cached(value_codec, ("tile_order", device), value_codec.centroids,
+                               lambda _: tile_order(value_codec.bits, dim).to(device=device, dtype=torch.int32))
+        if centered is not None:  # q . (scale * z) = (q * scale) . z: scale the query, not the keys
+            t["key_scale"] = _cached(centered, ("scale_rows", device, group), centered.scale,
+                                     lambda s: s.to(device=device, dtype=torch.float32).repeat_interleave(group, 0).contiguous())
+        t["cent_k"] = _centroids(key_codec, device)  # the codebooks: the centroid of each code
+        t["cent_v"] = _centroids(value_codec, device)
+        layout = MSESlot(dim, key_codec.bits, value_codec.bits)
+        assert layout.value_offset % 2 == 0, layout  # words of the value code: 4- or 2-byte aligned (_load_words)
+        t["offsets"] = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
+                            VALUE_NORM_OFFSET=layout.value_norm_offset, VALUE_ALIGN4=layout.value_offset % 4 == 0,
+                            GROUP=16)
+    else:
+        if fast:
+            t["order_q"] = _cached(key_codec, ("affine_query_order", device, dim), key_codec.bits,
+                                   lambda b: _affine_tile_order(b, dim).to(device))
+            t["order_v"] = _cached(value_codec, ("affine_tile_order", device, dim), value_codec.bits,
+                                   lambda b: _affine_tile_order(b, dim).to(device=device, dtype=torch.int32))
+        else:
+            t["order_q"] = None
+            t["order_v"] = _cached(key_codec, ("natural_order", device, dim), key_codec.bits,
+                                   lambda _: torch.arange(dim, dtype=torch.int32, device=device))
+        t["cent_k"] = t["cent_v"] = t["order_v"]  # unused
+        layout = AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
+        t["offsets"] = dict(KEY_NORM_OFFSET=0, VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=0,
+                            VALUE_ALIGN4=True, GROUP=key_codec.group_size)
+    return t
+
+
+def _split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t: dict, key_codec, value_codec,
+                split_len: int, num_blocks: int, capacity: int, q_unscale: float, *, kind: str, block_n: int,
+                fast: bool, prefetch: bool, keys_as_rows: bool, interpreted: bool, num_warps: int, num_stages,
+                max_registers):
+    """The launch of ``_decode_split_kernel`` (``kvlab._launch`` spec)."""
+    batch, num_q_heads, num_splits, dim = o_part.shape
+    num_kv_heads = cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    tk, tv = t["tables_k"], t["tables_v"]
+    args = dict(
+        q_ptr=q_in, cache_ptr=cache, block_table_ptr=block_table, seq_lens_ptr=seq_lens, key_cent_ptr=t["cent_k"],
+        value_cent_ptr=t["cent_v"], o_part_ptr=o_part, ml_part_ptr=ml_part,
+        bias_ptr=o_part if bias is None else bias,  # not read without a bias
+        tk0=tk[0], tk1=tk[1], tk2=tk[2], tk3=tk[3], tv0=tv[0], tv1=tv[1], tv2=tv[2], tv3=tv[3],
+        split_len=split_len, num_splits=num_splits, stride_bt=block_table.stride(0), stride_block=cache.stride(0),
+        stride_pos=cache.stride(1), stride_head=cache.stride(2), stride_bias=0 if bias is None else bias.stride(1),
+        num_blocks=num_blocks, capacity=capacity, q_unscale=q_unscale,
+        HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=cache.shape[1], D=dim, AFFINE=kind == "affine",
+        BITS_K=key_codec.bits, BITS_V=value_codec.bits, **t["offsets"],
+        BLOCK_G=max(16, C.next_power_of_2(group)), BLOCK_N=block_n, FAST=fast, HAS_BIAS=bias is not None,
+        PREFETCH=prefetch, KEYS_AS_ROWS=keys_as_rows, INTERPRETED=interpreted,
+        SPLIT_STEPS=split_len // block_n if interpreted else 0,
+    )  # fmt: skip
+    options = dict(num_warps=num_warps)
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if max_registers is not None and not interpreted:
+        options["maxnreg"] = max_registers
+    return _decode_split_kernel, (batch * num_kv_heads, num_splits), args, options
+
+
+class _DecodeStep:
+    """``decode_attention(q, cache, block_table, seq_lens, key_codec, value_codec, scale=scale, check=False)``
+    repeated on one cache, block table and lengths tensor (read in place at every call: their owner advances
+    them and keeps them valid) for queries of one shape and dtype — one layer of a ``PagedKVCache`` in a decode
+    step. The checks, device tables, buffers and launch arguments are prepared once; a call replays the
+    launches (``kvlab._launch``): the query's rotation, the loop, the merge and the output's rotation. Returns
+    the same output as ``decode_attention``, in a buffer that the next call overwrites. MSE and affine caches
+    (not centred keys); the loop is ``decode_attention``'s default for the shape."""
+
+    def __init__(self, q, cache, block_table, seq_lens, key_codec, value_codec, *, scale=None):
+        from ._launch import Launch
+
+        decode_attention(q, cache, block_table, seq_lens, key_codec, value_codec, scale=scale, check=False)  # checks
+        batch, num_q_heads, dim = q.shape
+        kind = _check_codecs(key_codec, value_codec, dim)
+        if _is_centered(key_codec):
+            raise ValueError("the decode step reads MSE and affine caches, not centred keys")
+        device, self.shape, self.dtype = q.device, tuple(q.shape), q.dtype
+        num_blocks, block_size, num_kv_heads, _ = cache.shape
+        capacity = block_table.shape[1] * block_size
+        q_scale = (dim**-0.5 if scale is None else scale) * LOG2E
+        interpreted = device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if _takes_mma_loop(q, num_kv_heads, kind, None, key_codec, value_codec, None, []):
+            rot_q, order_v = _mma_tables(key_codec, value_codec, dim, q_scale, device)
+            split_len, num_splits = _mma_split_len(batch, num_kv_heads, capacity, None, device)
+            q_in = torch.empty(q.shape, dtype=torch.float16, device=device)
+            o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
+            loop = decode_mma.spec(*_mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec,
+                                                value_codec, split_len, num_splits))
+        else:
+            tuned = launch_defaults(kind, max(key_codec.bits, value_codec.bits))
+            fast = not interpreted and tuned["fast"]
+            num_splits = _default_splits(batch, num_kv_heads, capacity, tuned["block_n"], device)
+            split_len = C.cdiv(C.cdiv(capacity, num_splits), tuned["block_n"]) * tuned["block_n"]
+            num_splits = C.cdiv(capacity, split_len)
+            t = _split_tables(kind, key_codec, value_codec, dim, q_scale, fast, device)
+            if kind == "mse":
+                rot_q = t["rot_q"]
+            else:  # the coordinate order times q_scale, as a matrix: one launch (the product is exact)
+                eye = torch.eye(dim, dtype=torch.float32, device=device)
+                rot_q = ((eye if t["order_q"] is None else eye[:, t["order_q"]]) * q_scale).contiguous()
+            order_v = t["order_v"]
+            q_in = torch.empty(q.shape, dtype=torch.float16, device=device)
+            o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
+            loop = _split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, None, t, key_codec, value_codec,
+                               split_len, num_blocks, capacity, 1.0, kind=kind, block_n=tuned["block_n"], fast=fast,
+                               prefetch=tuned.get("prefetch", False), keys_as_rows=tuned.get("keys_as_rows", False),
+                               interpreted=interpreted, num_warps=tuned["num_warps"],
+                               num_stages=tuned.get("num_stages"), max_registers=tuned.get("max_registers"))
+        self.device, self.out = device, out
+        self.result = torch.empty(q.shape, dtype=q.dtype, device=device)
+        self.rotate_q = Launch(*_rotate_spec(q.contiguous(), rot_q, q_in), variable=("x_ptr",))
+        self.loop = Launch(*loop)
+        self.merge = Launch(*_merge_spec(o_part, ml_part, order_v, out))
+        self.rotate_out = None
+        if kind == "mse":
+            rot_t = _cached(value_codec, ("rotation_t", device), value_codec.rotation,
+                            lambda r: r.to(device=device, dtype=torch.float32).T.contiguous())
+            self.rotate_out = Launch(*_rotate_spec(out, rot_t, self.result))
+
+    def __call__(self, q: torch.Tensor) -> torch.Tensor:
+        if tuple(q.shape) != self.shape or q.dtype != self.dtype:
+            raise ValueError(f"q must be {self.dtype} of shape {list(self.shape)}, got {q.dtype} {list(q.shape)}")
+        q = q if q.is_contiguous() else q.contiguous()
+        with _on_device(self.device):
+            self.rotate_q(x_ptr=q)
+            self.loop()
+            self.merge()
+            if self.rotate_out is None:
+                self.result.copy_(self.out)
+            else:
+                self.rotate_out()
+        return self.result
 
 
 class _nullcontext:
@@ -1223,6 +1358,40 @@ def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, 
     keep = slot_mapping >= 0
     cache.view(num_slots, key.shape[1], layout.slot_bytes)[slot_mapping[keep].long()] = codes[keep]
     C.record_writer(cache, key_codec, value_codec)
+
+
+class _AffineStoreStep:
+    """``store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on
+    inputs of one shape and dtype whose slots are all written (a decode step): each call encodes the keys and
+    values into one staging slot per row (two launches prepared once, ``kvlab._launch``), then copies the rows
+    into their slots. The bytes are ``store_affine_slots``'s; other inputs go through it."""
+
+    def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
+        from ._launch import Launch
+        from .affine import pack_token_spec
+
+        store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks
+        num_tokens, num_heads, dim = key.shape
+        self.cache, self.codecs, self.shape, self.dtype = cache, (key_codec, value_codec), tuple(key.shape), key.dtype
+        layout = AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
+        self.staging = torch.zeros(num_tokens, num_heads, layout.slot_bytes, dtype=torch.uint8, device=cache.device)
+        rows = self.staging.view(num_tokens * num_heads, layout.slot_bytes)
+        self.launches = []
+        for x, codec, start, size in ((key, key_codec, 0, layout.key_code_bytes),
+                                      (value, value_codec, layout.value_offset, layout.value_code_bytes)):
+            spec = pack_token_spec(x.reshape(-1, dim), rows[:, start:start + size], codec.bits, codec.group_size)
+            self.launches.append(Launch(*spec, variable=("x",)))
+
+    def __call__(self, key, value, slot_mapping) -> None:
+        if (tuple(key.shape) != self.shape or value.shape != key.shape or key.dtype != self.dtype
+                or value.dtype != self.dtype or not key.is_contiguous() or not value.is_contiguous()):
+            store_affine_slots(key, value, slot_mapping, self.cache, *self.codecs, check=False)
+            return
+        num_tokens, num_heads, dim = key.shape
+        with _on_device(self.cache.device):
+            for launch, x in zip(self.launches, (key, value)):
+                launch(x=x.view(-1, dim))
+        self.cache.view(-1, num_heads, self.cache.shape[-1]).index_copy_(0, slot_mapping, self.staging)
 
 
 def _slot_mapping(block_table, seq_lens, block_size: int, length: int) -> torch.Tensor:

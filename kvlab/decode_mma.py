@@ -485,6 +485,11 @@ def decode_mma_kernel(
     gl.store(ml_part_ptr + rows * 2 + 1, l_i, mask=o_g < G)
 
 
+def spec(grid, args: tuple, constants: dict, options: dict):
+    """``launch``'s arguments as a ``kvlab._launch`` spec: ``(kernel, grid, arguments by name, options)``."""
+    return decode_mma_kernel, tuple(grid), dict(zip(decode_mma_kernel.arg_names, args), **constants), dict(options)
+
+
 _COMPILED = {}  # (device, constants, options, argument types) -> compiled kernel
 
 

@@ -63,10 +63,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _checks as C
 from .cache import KVCache, KVFormat, model_shape
-from .affine import pack_affine
-from .decode import AffineSlot, decode_attention, prefill_attention, store_affine_slots
+from .decode import AffineSlot, _AffineStoreStep, _DecodeStep, decode_attention, prefill_attention, store_affine_slots
 from .layout import MSESlot
-from .mse import store_mse
+from .mse import _MSEStoreStep, store_mse
 from .reference import (
     AffineCodec, MSECodec, decode_attention_reference, prefill_attention_reference, write_affine_slots, write_slots,
 )
@@ -119,6 +118,7 @@ class PagedKVCacheLayer(CacheLayerMixin):
         self.cache = torch.zeros(o.batch * o.max_blocks, o.block_size, o.num_kv_heads, o.slot_bytes,
                                  dtype=torch.uint8, device=o.device)
         self.seq_lens = torch.zeros(o.batch, dtype=torch.int32, device=o.device)  # tokens stored per sequence
+        self._store_step, self._decode_steps = None, {}  # a decode step's launches, prepared on first use
         self.is_initialized = True
 
     def __repr__(self) -> str:
@@ -175,15 +175,16 @@ class PagedKVCacheLayer(CacheLayerMixin):
         k = key.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         v = value.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         kc, vc = o.key_codec, o.value_codec
-        if o.backend == "triton":
-            if o.kind == "mse":
-                store_mse(k, v, slots, self.cache, kc, vc, check=False)
-            elif valid is None:  # every slot is written: plain indexing, no mask (nothing syncs; a CUDA graph holds it)
-                codes = torch.cat([pack_affine(k, kc.bits, kc.group_size, "token", check=False),
-                                   pack_affine(v, vc.bits, vc.group_size, "token", check=False)], -1)
-                self.cache.view(-1, heads, o.slot_bytes)[slots] = codes
-            else:
-                store_affine_slots(k, v, slots, self.cache, kc, vc, check=False)
+        if o.backend == "triton" and n == 1 and valid is None:  # a decode step: launches prepared once, no sync
+            step = self._store_step
+            if step is None or step.shape != tuple(k.shape) or step.dtype != k.dtype:
+                kind = _MSEStoreStep if o.kind == "mse" else _AffineStoreStep
+                step = self._store_step = kind(k, v, slots, self.cache, kc, vc)
+            step(k, v, slots)
+        elif o.backend == "triton" and o.kind == "mse":
+            store_mse(k, v, slots, self.cache, kc, vc, check=False)
+        elif o.backend == "triton":
+            store_affine_slots(k, v, slots, self.cache, kc, vc, check=False)
         elif o.kind == "mse":
             write_slots(self.cache, slots, kc.encode(k), vc.encode(v), o.layout)
         else:
@@ -200,6 +201,13 @@ class PagedKVCacheLayer(CacheLayerMixin):
             out = decode_attention_reference(q, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale)
             return out.to(q.dtype)
         qh = q if q.dtype in COMPUTE_DTYPES else q.to(torch.float16)
+        if block_table is None and seq_lens is None:  # the layer's own tables: launches prepared once
+            key = (tuple(qh.shape), qh.dtype, scale)
+            step = self._decode_steps.get(key)
+            if step is None:
+                step = self._decode_steps[key] = _DecodeStep(qh, self.cache, table, lens, o.key_codec, o.value_codec,
+                                                             scale=scale)
+            return step(qh).to(q.dtype)
         out = decode_attention(qh, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale, check=False)
         return out.to(q.dtype)
 
@@ -265,7 +273,7 @@ class PagedKVCache(Cache):
         # sequence b owns blocks [b * max_blocks, (b + 1) * max_blocks): one table for every layer
         self.block_table = torch.arange(batch_size * self.max_blocks, dtype=torch.int32, device=device).view(
             batch_size, self.max_blocks)
-        self.first_slot = self.block_table[:, 0] * block_size  # blocks of a sequence are consecutive
+        self.first_slot = self.block_table[:, 0].long() * block_size  # blocks of a sequence are consecutive
         super().__init__(layers=[PagedKVCacheLayer(self, i) for i in range(num_layers)])
 
     def __repr__(self) -> str:

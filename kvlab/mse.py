@@ -1313,48 +1313,11 @@ def store_mse(
     # check: every written row's norm (rows not written stay 0); else a placeholder, never accessed
     norms = torch.zeros(2, num_rows if check else 1, dtype=torch.float32, device=device)
     saved = _save_slots(cache, slot_mapping) if check else None  # a failing checked call puts them back
-    block_d = _store_block_d(dim)
-    grid = (C.cdiv(num_rows, block_rows),)
-    gluon = STORE_GLUON and device.type == "cuda" and not _interpreted() and default_tiling
+    specs = _store_specs(parts, (key_codec, value_codec), layout, slot_mapping, cache, norms, num_rows, dim,
+                         block_rows, pieces, num_warps, piece, check, default_tiling)
     with _on(device):
-        for p, codec, offset, index_bytes, part_norms in (
-            (parts[0], key_codec, 0, layout.key_bytes, norms[0]),
-            (parts[1], value_codec, layout.value_offset, layout.value_bytes, norms[1]),
-        ):
-            if gluon and p["hadamard"]:
-                from . import mse_store
-
-                if mse_store.supports(dim, p["head"]):
-                    mse_store.launch(
-                        (p["rows"], p["signs"], p["mid"], p["tie"], p["squares"], slot_mapping, cache, part_norms,
-                         p["scale"], p["rows"].stride(0), num_rows, num_slots, slot_mapping.stride(0), cache.stride(0),
-                         cache.stride(1), cache.stride(2)),
-                        dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits,
-                             TUPLE=_square_tuple(codec.bits), OFFSET=offset, INDEX_BYTES=index_bytes, HEAD=p["head"],
-                             NORM_CORRECTION=bool(codec.norm_correction), CHECK=check))
-                    continue
-            _store_mse_kernel[grid](  # no FMA contraction: y = z * scale must be rounded before t - y
-                p["rows"], p["signs"], p["mid"], p["tie"], p["squares"], slot_mapping, cache, part_norms,
-                p["scale"], p["rows"].stride(0), num_rows, num_slots, offset,
-                slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
-                D=dim,
-                C=block_d // 8,
-                LOG_D=dim.bit_length() - 1,
-                PIECES=pieces,
-                NUM_HEADS=num_heads,
-                BLOCK_SIZE=block_size,
-                BLOCK_ROWS=block_rows,
-                BITS=codec.bits,
-                TUPLE=_square_tuple(codec.bits),
-                INDEX_BYTES=index_bytes,
-                HEAD=p["head"],
-                HADAMARD=p["hadamard"],
-                NORM_CORRECTION=bool(codec.norm_correction),
-                CHECK=check,
-                num_warps=num_warps,
-                enable_fp_fusion=False,
-                **({} if _interpreted() else _store_compiled_options(codec.bits, num_warps, dim, piece)),
-            )
+        for fn, grid, args, options in specs:
+            fn[grid](**args, **options)
     if check:
         try:
             for name, part_norms in (("key", norms[0]), ("value", norms[1])):
@@ -1363,6 +1326,98 @@ def store_mse(
             _restore_slots(cache, saved)
             raise
     C.record_writer(cache, key_codec, value_codec)
+
+
+class _MSEStoreStep:
+    """``store_mse(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on inputs of
+    one shape, dtype and layout (a decode step: one token per sequence): the checks, device tables and launch
+    arguments are prepared once, and each call replays the two launches (``kvlab._launch.Launch``) with the new
+    rows and slots. The bytes are ``store_mse``'s. Inputs of another shape or layout go through ``store_mse``."""
+
+    def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
+        store_mse(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks shapes; compiles
+        from ._launch import Launch
+
+        self.cache, self.codecs = cache, (key_codec, value_codec)
+        self.shape, self.dtype = tuple(key.shape), key.dtype
+        num_tokens, num_heads, dim = key.shape
+        self.num_rows, self.dim = num_tokens * num_heads, dim
+        layout = MSESlot(dim, key_codec.bits, value_codec.bits)
+        pieces = max(1, _store_block_d(dim) // STORE_PIECE)
+        parts = []
+        for name, x, codec, offset, index_bytes in (("key_codec", key, key_codec, 0, layout.key_bytes),
+                                                    ("value_codec", value, value_codec, layout.value_offset,
+                                                     layout.value_bytes)):
+            hadamard = _hadamard_signs(codec) is not None
+            rows = self._rows(x, codec, hadamard)
+            mid, tie = _midpoints(codec, cache.device, name)
+            parts.append(dict(rows=rows, signs=_sign_bits(codec, cache.device, rows.dtype) if hadamard else rows,
+                              mid=mid, tie=tie, scale=_hadamard_scale(codec) if hadamard else 1.0, hadamard=hadamard,
+                              squares=_square_sums(codec, cache.device),
+                              head=_store_head(cache, offset, index_bytes + NORM_BYTES)))
+        self.hadamard = (parts[0]["hadamard"], parts[1]["hadamard"])
+        self.stride = (parts[0]["rows"].stride(0), parts[1]["rows"].stride(0), slot_mapping.stride(0))
+        norms = torch.zeros(2, 1, dtype=torch.float32, device=cache.device)
+        specs = _store_specs(parts, self.codecs, layout, slot_mapping, cache, norms, self.num_rows, dim,
+                             32 * 4 // pieces, pieces, 4, STORE_PIECE, False, True)
+        self.launches = [Launch(fn, grid, args, options, variable=("x_ptr", "slot_ptr"))
+                         for fn, grid, args, options in specs]
+
+    def _rows(self, x, codec, hadamard: bool):
+        if hadamard:
+            return x.reshape(self.num_rows, self.dim)
+        return x.reshape(self.num_rows, self.dim).float() @ _rotation(codec, x.device)
+
+    def __call__(self, key, value, slot_mapping) -> None:
+        rows = [self._rows(x, codec, h) for x, codec, h in zip((key, value), self.codecs, self.hadamard)]
+        if (tuple(key.shape) != self.shape or value.shape != key.shape or key.dtype != self.dtype
+                or value.dtype != self.dtype or (rows[0].stride(0), rows[1].stride(0), slot_mapping.stride(0)) != self.stride
+                or rows[0].stride(1) != 1 or rows[1].stride(1) != 1):
+            store_mse(key, value, slot_mapping, self.cache, *self.codecs, check=False)
+            return
+        with _on(self.cache.device):
+            for launch, x in zip(self.launches, rows):
+                launch(x_ptr=x, slot_ptr=slot_mapping)
+
+
+def _store_specs(parts, codecs, layout, slot_mapping, cache, norms, num_rows: int, dim: int, block_rows: int,
+                 pieces: int, num_warps: int, piece: int, check: bool, default_tiling: bool) -> list:
+    """The launches of ``store_mse`` (keys, then values) as ``(kernel, grid, arguments by name, options)``."""
+    num_blocks, block_size, num_heads, _ = cache.shape
+    num_slots = num_blocks * block_size
+    device = cache.device
+    gluon = STORE_GLUON and device.type == "cuda" and not _interpreted() and default_tiling
+    specs = []
+    for p, codec, offset, index_bytes, part_norms in (
+        (parts[0], codecs[0], 0, layout.key_bytes, norms[0]),
+        (parts[1], codecs[1], layout.value_offset, layout.value_bytes, norms[1]),
+    ):
+        if gluon and p["hadamard"]:
+            from . import mse_store
+
+            if mse_store.supports(dim, p["head"]):
+                specs.append(mse_store.spec(
+                    (p["rows"], p["signs"], p["mid"], p["tie"], p["squares"], slot_mapping, cache, part_norms,
+                     p["scale"], p["rows"].stride(0), num_rows, num_slots, slot_mapping.stride(0), cache.stride(0),
+                     cache.stride(1), cache.stride(2)),
+                    dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits,
+                         TUPLE=_square_tuple(codec.bits), OFFSET=offset, INDEX_BYTES=index_bytes, HEAD=p["head"],
+                         NORM_CORRECTION=bool(codec.norm_correction), CHECK=check)))
+                continue
+        block_d = _store_block_d(dim)
+        args = dict(  # no FMA contraction: y = z * scale must be rounded before t - y
+            x_ptr=p["rows"], sign_ptr=p["signs"], mid_ptr=p["mid"], tie_ptr=p["tie"], sq_ptr=p["squares"],
+            slot_ptr=slot_mapping, cache_ptr=cache, norm_ptr=part_norms, scale=p["scale"], stride_x=p["rows"].stride(0),
+            num_rows=num_rows, num_slots=num_slots, offset=offset, stride_slot=slot_mapping.stride(0),
+            stride_block=cache.stride(0), stride_pos=cache.stride(1), stride_head=cache.stride(2),
+            D=dim, C=block_d // 8, LOG_D=dim.bit_length() - 1, PIECES=pieces, NUM_HEADS=num_heads,
+            BLOCK_SIZE=block_size, BLOCK_ROWS=block_rows, BITS=codec.bits, TUPLE=_square_tuple(codec.bits),
+            INDEX_BYTES=index_bytes, HEAD=p["head"], HADAMARD=p["hadamard"],
+            NORM_CORRECTION=bool(codec.norm_correction), CHECK=check)
+        options = dict(num_warps=num_warps, enable_fp_fusion=False,
+                       **({} if _interpreted() else _store_compiled_options(codec.bits, num_warps, dim, piece)))
+        specs.append((_store_mse_kernel, (C.cdiv(num_rows, block_rows),), args, options))
+    return specs
 
 
 def _save_slots(cache: torch.Tensor, slot_mapping: torch.Tensor):

@@ -295,9 +295,17 @@ def store_kernel(
         gl.store(norm_ptr + o_rw, norm, mask=m_w)
 
 
-def launch(args: tuple, constants: dict) -> None:
-    """Launch ``store_kernel`` over ``args[10]`` (``num_rows``) rows with the runtime ``args`` (in order) and the
-    ``constants`` (without the layouts and ``ROWS``), at the tiling of ``LANES``, ``ROWS_PER_THREAD`` and ``WARPS``."""
+def spec(args: tuple, constants: dict):
+    """``(kernel, grid, arguments by name, options)`` of a launch of ``store_kernel`` over ``args[10]``
+    (``num_rows``) rows with the runtime ``args`` (in order) and the ``constants`` (without the layouts and
+    ``ROWS``), at the tiling of ``LANES``, ``ROWS_PER_THREAD`` and ``WARPS``."""
     grid = (-(-args[10] // rows()),)
-    store_kernel[grid](*args, **constants, ROWS=rows(), **layout_constants(constants["D"], constants["BITS"]),
-                       **options(constants["BITS"]))
+    kwargs = dict(zip(store_kernel.arg_names, args), **constants, ROWS=rows(),
+                  **layout_constants(constants["D"], constants["BITS"]))
+    return store_kernel, grid, kwargs, options(constants["BITS"])
+
+
+def launch(args: tuple, constants: dict) -> None:
+    """Launch ``store_kernel`` (``spec``)."""
+    fn, grid, kwargs, opts = spec(args, constants)
+    fn[grid](**kwargs, **opts)

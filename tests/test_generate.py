@@ -236,3 +236,33 @@ def test_replay_reads_the_same_codes_both_ways():
         replay_logits(model, out.cache, seq, "dense")
     with pytest.raises(ValueError, match="sequences"):
         replay_logits(model, out.cache, out.sequences.repeat(1, 2))
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("mse", 4, 4, rotation="hadamard"), KVFormat("mse", 3, 2),
+                                 KVFormat("affine", 4, 4), KVFormat("affine", 8, 8)], ids=lambda f: f.label)
+def test_decode_step_equals_the_functions(fmt):
+    """A layer's decode step (stores and attention prepared once, then replayed) writes the bytes of
+    store_mse / store_affine_slots and returns decode_attention's output, step after step."""
+    from kvlab.decode import decode_attention, store_affine_slots
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU: Triton's interpreter
+    batch, kv_heads, group, dim = 3, 2, 3, 64
+    cfg = LlamaConfig(hidden_size=kv_heads * group * dim, num_attention_heads=kv_heads * group,
+                      num_key_value_heads=kv_heads, head_dim=dim, num_hidden_layers=1)
+    cache = PagedKVCache(fmt, config=cfg, batch_size=batch, max_length=40, device=device, backend="triton")
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=torch.float16)
+    layer.store(rand(batch, kv_heads, 21, dim), rand(batch, kv_heads, 21, dim), None)
+    for _ in range(3):
+        k, v, q = rand(batch, kv_heads, 1, dim), rand(batch, kv_heads, 1, dim), rand(batch, kv_heads * group, dim)
+        expected = layer.cache.clone()
+        slots = cache.first_slot + layer.seq_lens
+        rows = lambda x: x.transpose(1, 2).reshape(batch, kv_heads, dim)
+        store = kvlab.store_mse if cache.kind == "mse" else store_affine_slots
+        store(rows(k), rows(v), slots, expected, cache.key_codec, cache.value_codec, check=False)
+        layer.store(k, v, None)
+        assert torch.equal(layer.cache, expected)
+        want = decode_attention(q, layer.cache, cache.block_table, layer.seq_lens, cache.key_codec, cache.value_codec,
+                                scale=dim**-0.5, check=False)
+        assert torch.equal(layer.decode(q, dim**-0.5), want)
