@@ -49,6 +49,7 @@ FORMATS = {
     "kvlab mse k2v2": KVFormat("mse", 2, 2, rotation="hadamard"),
     "kvlab affine k4v4": KVFormat("affine", 4, 4),
 }
+COMPILED = "fp16 StaticCache compiled"
 GRID = [(1, 4096), (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 32768), (1, 131072)]
 KEYS = ["cache", "mode", "batch", "context", "status", "ms_per_step", "tokens_per_s", "kv_gib", "peak_gib",
         "speedup_vs_fp16", "fp16_baseline"]
@@ -120,19 +121,23 @@ def fill_dense(cache, cfg, batch: int, context: int) -> None:
     del k
 
 
-def time_steps(model, cache, batch: int, context: int, steps: int, graph: bool):
-    """Median ms of ``steps`` greedy decode steps after ``context`` cached tokens (CUDA events per step)."""
+def time_steps(model, cache, batch: int, context: int, steps: int, graph: bool, forward=None):
+    """Median ms of ``steps`` greedy decode steps after ``context`` cached tokens (CUDA events per step);
+    ``forward``: the model's forward to call (default ``model``; e.g. a ``torch.compile`` of it)."""
+    forward = model if forward is None else forward
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device="cuda")
     pos = torch.full((batch, 1), context, device="cuda", dtype=torch.long)
     paged = isinstance(cache, PagedKVCache)
 
     def step():
-        logits = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = forward(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         ids.copy_(logits.argmax(-1, keepdim=True))
         pos.add_(1)
 
     with torch.no_grad():
         step()  # warm-up: compiles kernels, builds device tables
+        if forward is not model:  # a compiled forward: a second warm-up (its first calls may recompile)
+            step()
         torch.cuda.synchronize()
         times = []
         if graph:
@@ -167,7 +172,7 @@ def make_cache(name: str, model, batch: int, context: int, steps: int):
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=cfg)
         fill_dense(cache, cfg, batch, context)
-    elif name == "fp16 StaticCache":
+    elif name in ("fp16 StaticCache", COMPILED):
         model.set_attn_implementation("sdpa")
         cache = StaticCache(config=cfg, max_cache_len=context + steps + 4)
         fill_dense(cache, cfg, batch, context)
@@ -179,6 +184,10 @@ def make_cache(name: str, model, batch: int, context: int, steps: int):
 
 
 def measure(model, name, mode, batch, context, steps):
+    forward = None
+    if name == COMPILED:  # transformers' static cache under torch.compile (Inductor), the step then captured
+        torch._dynamo.reset()
+        forward = torch.compile(model.forward, dynamic=False, fullgraph=True)
     row = dict(cache=name, mode=mode, batch=batch, context=context)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -187,7 +196,7 @@ def measure(model, name, mode, batch, context, steps):
     try:
         cache = make_cache(name, model, batch, context, steps)
         kv = kv_bytes(cache)
-        ms = time_steps(model, cache, batch, context, steps, graph=mode == "graph")
+        ms = time_steps(model, cache, batch, context, steps, graph=mode == "graph", forward=forward)
         row.update(status="ok", ms_per_step=round(ms, 4), tokens_per_s=round(batch * 1000 / ms, 1),
                    kv_gib=round(kv / 2**30, 3), peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 3))
     except torch.cuda.OutOfMemoryError as e:
@@ -277,6 +286,10 @@ def main():
     ap.add_argument("--points", default=None, help="batch:context,... (default: the grid)")
     ap.add_argument("--budget-gib", type=float, default=120.0)
     ap.add_argument("--profile", action="store_true", help="write a cProfile of eager decode steps (small model)")
+    ap.add_argument("--compiled", action="store_true",
+                    help=f"add the row '{COMPILED}' (torch.compile of the forward, then a CUDA graph)")
+    ap.add_argument("--names", default=None, help="only these rows (comma-separated); skips capacity, prefill, checks")
+    ap.add_argument("--stem", default=None, help="output file stem (default: generate)")
     args = ap.parse_args()
     import transformers
     import triton
@@ -287,7 +300,7 @@ def main():
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command="python " + " ".join(sys.argv))
     small = llama(True)
-    check = checks(small)
+    check = checks(small) if args.names is None else None
     if args.profile:
         profile_eager(small, Path(args.out) / "generate_profile.txt")
     del small
@@ -296,12 +309,14 @@ def main():
     grid = [(int(b), int(c)) for b, c in (p.split(":") for p in args.points.split(","))] if args.points else GRID
     if args.smoke:
         grid = [(2, 300), (3, 1000)]
-    names = ["fp16 DynamicCache", "fp16 StaticCache", *FORMATS]
+    names = ["fp16 DynamicCache", "fp16 StaticCache", *([COMPILED] if args.compiled else []), *FORMATS]
+    if args.names:
+        names = [n for n in dict.fromkeys(names + [COMPILED]) if n in args.names.split(",")]
     # capacity at 32k: KV bytes per sequence next to the weights; each kvlab batch checked by one step
     capacity = {}
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     context = 1024 if args.smoke else 32768
-    for name in names[1:]:
+    for name in [] if args.names else [n for n in names[1:] if n != COMPILED]:
         per_seq = kv_token_bytes(name, cfg) * context
         act = 2 * 2**30  # activations and workspace of one step
         batch = int((args.budget_gib * 2**30 - weights - act) // per_seq)
@@ -316,7 +331,7 @@ def main():
         point = []
         for name in names:
             fits = kv_token_bytes(name, cfg) * batch * context < (torch.cuda.mem_get_info()[1] - 24 * 2**30)
-            for mode in (["eager"] if name == "fp16 DynamicCache" else ["eager", "graph"]):
+            for mode in (["eager"] if name == "fp16 DynamicCache" else ["graph"] if name == COMPILED else ["eager", "graph"]):
                 if not fits:
                     r = dict(cache=name, mode=mode, batch=batch, context=context, status="oom")
                     print(" ", r, flush=True)
@@ -330,10 +345,10 @@ def main():
                 r["speedup_vs_fp16"] = round(base["ms_per_step"] / r["ms_per_step"], 3)
                 r["fp16_baseline"] = f"{base['cache']} {base['mode']}"
         rows += point
-    prefill = prefill_seconds(model, ["kvlab mse k4v4", "kvlab affine k4v4"], 512 if args.smoke else 4096)
+    prefill = None if args.names else prefill_seconds(model, ["kvlab mse k4v4", "kvlab affine k4v4"], 512 if args.smoke else 4096)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "generate_smoke" if args.smoke else "generate"
+    stem = args.stem or ("generate_smoke" if args.smoke else "generate")
     with open(out / f"{stem}.csv", "w") as f:
         import csv
 
