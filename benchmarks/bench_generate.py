@@ -315,15 +315,15 @@ def main():
     # capacity at 32k: KV bytes per sequence next to the weights; each kvlab batch checked by one step
     capacity = {}
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    context = 1024 if args.smoke else 32768
+    capacity_context = 1024 if args.smoke else 32768
     for name in [] if args.names else [n for n in names[1:] if n != COMPILED]:
-        per_seq = kv_token_bytes(name, cfg) * context
+        per_seq = kv_token_bytes(name, cfg) * capacity_context
         act = 2 * 2**30  # activations and workspace of one step
         batch = int((args.budget_gib * 2**30 - weights - act) // per_seq)
         entry = dict(max_batch=batch, kv_gib_per_sequence=round(per_seq / 2**30, 4))
         if not name.startswith("fp16") and batch > 0:
             print(f"  capacity {name}: batch {batch}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB in use", flush=True)
-            r = measure(model, name, "graph", batch, context, 4)
+            r = measure(model, name, "graph", batch, capacity_context, 4)
             entry.update(checked=r.get("status"), ms_per_step=r.get("ms_per_step"), peak_gib=r.get("peak_gib"))
         capacity[name] = entry
     rows = []
@@ -359,7 +359,7 @@ def main():
     meta = dict(run, model=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, q_heads=cfg.num_attention_heads,
                                 kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
                                 weights="random fp16", weight_gib=round(weights / 2**30, 2)),
-                steps=args.steps, capacity_context=context, capacity_budget_gib=args.budget_gib, capacity=capacity,
+                steps=args.steps, capacity_context=capacity_context, capacity_budget_gib=args.budget_gib, capacity=capacity,
                 prefill_tokens=512 if args.smoke else 4096, prefill_seconds=prefill, checks=check,
                 formats={k: repr(v) for k, v in FORMATS.items()}, seconds=round(time.time() - t0, 1))
     (out / f"{stem}.json").write_text(json.dumps(meta, indent=1))
