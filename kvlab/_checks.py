@@ -133,17 +133,43 @@ def check_tiny_groups(name: str, scale16: torch.Tensor, zero16: torch.Tensor, pe
         raise ValueError(tiny_groups_message(name))
 
 
-def check_range(name: str, x: torch.Tensor, dtype: torch.dtype, where: str) -> None:
-    """``x`` finite and within ``dtype``'s range, since it is stored as ``dtype`` (one host sync)."""
+def store_flags(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool ``[3]`` (no sync): ``x`` holds NaN/Inf; finite values beyond ``dtype``'s range; nonzero vectors (along
+    the last dimension) whose largest ``|value|`` is below ``dtype``'s smallest normal number, where ``x``'s dtype
+    has normal numbers there (cast to ``dtype`` they would lose their digits, the tiniest become zeros)."""
     if x.numel() == 0:
-        return
-    top = torch.finfo(dtype).max
-    peak = float(x.detach().abs().amax())
-    if not peak <= top:  # NaN fails too
-        dname = str(dtype).replace("torch.", "")
-        if peak != peak or peak == float("inf"):
-            raise ValueError(f"{name} holds NaN or Inf values; only finite values can be stored")
-        raise ValueError(f"{name} holds values up to {peak:g}, beyond {dname}'s range (|x| <= {top:g}) of {where}")
+        return torch.zeros(3, dtype=torch.bool, device=x.device)
+    peak = x.detach().abs().amax(-1).float()  # per vector
+    finite = torch.isfinite(peak)
+    flags = [(~finite).any(), (finite & (peak > torch.finfo(dtype).max)).any()]
+    tiny = torch.finfo(dtype).tiny
+    if x.dtype.is_floating_point and torch.finfo(x.dtype).tiny < tiny:
+        flags.append(((peak > 0) & (peak < tiny)).any())
+    else:
+        flags.append(torch.zeros((), dtype=torch.bool, device=x.device))
+    return torch.stack(flags)
+
+
+def raise_store_flags(name: str, x: torch.Tensor, flags, dtype: torch.dtype, where: str, remedy: str = "") -> None:
+    """The error ``store_flags`` (as a list of bools) stands for, if any: both ends of ``dtype``'s range alike."""
+    nonfinite, high, low = flags
+    dname, info = str(dtype).replace("torch.", ""), torch.finfo(dtype)
+    allowed = (f"a stored vector must be 0 or have its largest |value| in [{info.tiny:.6g}, {info.max:g}] "
+               f"({dname}'s normal range, {where})")
+    if nonfinite:
+        raise ValueError(f"{name} holds NaN or Inf values; only finite values can be stored")
+    if high:
+        peak = float(x.detach().abs().amax())
+        raise ValueError(f"{name} holds values up to {peak:g}, beyond {dname}'s range (|x| <= {info.max:g}) of "
+                         f"{where}; {allowed}{remedy}")
+    if low:
+        raise ValueError(f"{name} has nonzero vectors whose values are all below {info.tiny:.6g} in magnitude: in "
+                         f"{dname} they would lose their digits or become zeros; {allowed}: scale the input up{remedy}")
+
+
+def check_store(name: str, x: torch.Tensor, dtype: torch.dtype, where: str, remedy: str = "") -> None:
+    """``x`` can be stored as ``dtype`` without turning into ``inf`` or into zeros (one host sync)."""
+    raise_store_flags(name, x, store_flags(x, dtype).tolist(), dtype, where, remedy)
 
 
 # ----------------------------------------------------------------------------- integer arguments
@@ -170,27 +196,44 @@ _WRITERS: dict = {}
 
 
 def codec_identity(codec):
-    """What a decoder must agree on: the kind of codec, its dim, bits, rotation and seed (None: unknown)."""
+    """What a decoder must agree on: the kind of codec, its dim, bits, rotation and seed, and for centred keys the
+    fingerprint of their statistics (None: unknown).
+
+    A centred codec and its inner MSE codec (``codec.mse``, which writes the codes of the normalised keys and
+    carries ``centered_stats``) have the same identity: the codes mean keys only with those statistics.
+    """
     if codec is None:
         return None
     mse = getattr(codec, "mse", None)
-    if mse is not None and hasattr(codec, "mean"):  # a centred key codec: its MSE codec, and a turning mean or not
-        return ("centered", codec_identity(mse), getattr(codec, "rope", None) is not None)
+    if mse is not None and hasattr(codec, "mean"):  # a centred key codec: its MSE codec names the statistics
+        return codec_identity(mse)
     if hasattr(codec, "axis") and hasattr(codec, "group_size"):
         return ("affine", getattr(codec, "bits", None), codec.group_size, codec.axis)
-    return ("mse", getattr(codec, "dim", None), getattr(codec, "bits", None), getattr(codec, "rotation_kind", None),
-            getattr(codec, "seed", None), getattr(codec, "norm_correction", None))
+    plain = ("mse", getattr(codec, "dim", None), getattr(codec, "bits", None), getattr(codec, "rotation_kind", None),
+             getattr(codec, "seed", None), getattr(codec, "norm_correction", None))
+    stats = getattr(codec, "centered_stats", None)
+    return plain if stats is None else ("centered", plain, stats)
 
 
 def _describe(identity) -> str:
     if identity is None:
         return "unknown"
     if identity[0] == "centered":
-        return f"centered({_describe(identity[1])}{', rope' if identity[2] else ''})"
+        return f"centered({_describe(identity[1])}, statistics {identity[2]})"
     if identity[0] == "affine":
         return f"affine(bits={identity[1]}, group_size={identity[2]}, axis={identity[3]!r})"
     _, dim, bits, rotation, seed, correction = identity
     return f"mse(dim={dim}, bits={bits}, rotation={rotation!r}, seed={seed}, norm_correction={correction})"
+
+
+def _hint(written, given) -> str:
+    """Why two identities differ, where it is not plain to see."""
+    if written[0] == given[0] == "centered" and written[1] == given[1]:
+        return " (the same codec with other calibration statistics: mean, scale or RoPE differ)"
+    if (written[0] == "centered") != (given[0] == "centered"):
+        return (" (centred keys are read with the CenteredMSECodec that wrote them: load_centered_mse, or "
+                "decode_attention / prefill_attention with it as key_codec)")
+    return ""
 
 
 def _storage_key(cache: torch.Tensor):
@@ -206,8 +249,9 @@ def record_writer(cache: torch.Tensor, key_codec, value_codec) -> None:
     _WRITERS[key] = (weakref.ref(cache), codec_identity(key_codec), codec_identity(value_codec))
 
 
-def check_reader(cache: torch.Tensor, key_codec=None, value_codec=None) -> None:
-    """Raise if ``cache`` was last written with codecs other than the given ones (None: not read)."""
+def check_reader(cache: torch.Tensor, key_codec=None, value_codec=None, *, names=("key_codec", "value_codec")) -> None:
+    """Raise if ``cache`` was last written with codecs other than the given ones (None: not read); ``names``: the
+    caller's names of the two arguments."""
     entry = _WRITERS.get(_storage_key(cache))
     if entry is None:
         return
@@ -215,10 +259,10 @@ def check_reader(cache: torch.Tensor, key_codec=None, value_codec=None) -> None:
     if ref() is None:  # the tensor that was written is gone: its storage was freed and may be reused
         _WRITERS.pop(_storage_key(cache), None)
         return
-    for part, codec, written in (("key_codec", key_codec, key_id), ("value_codec", value_codec, value_id)):
+    for name, codec, written in ((names[0], key_codec, key_id), (names[1], value_codec, value_id)):
         if codec is None:
             continue
         given = codec_identity(codec)
         if given != written:
-            raise ValueError(f"{part} must be the codec that wrote this cache, {_describe(written)}; "
-                             f"got {_describe(given)}")
+            raise ValueError(f"{name} must be the codec that wrote this cache, {_describe(written)}; "
+                             f"got {_describe(given)}{_hint(written, given) if written and given else ''}")

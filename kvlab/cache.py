@@ -520,17 +520,10 @@ class KVCacheLayer(CacheLayerMixin):
             raise ValueError(f"key_states must be on {self.device} (the device of the layer's first update), "
                              f"got {key_states.device}")
         store = self.store_dtype or key_states.dtype
-        top = torch.finfo(store).max
-        if key_states.numel():
-            peaks = torch.stack([key_states.detach().abs().amax().float(), value_states.detach().abs().amax().float()])
-            for name, peak in zip(("key_states", "value_states"), peaks.tolist()):  # one sync
-                if peak != peak or peak == float("inf"):
-                    raise ValueError(f"{name} holds NaN or Inf values; only finite values can be stored")
-                if peak > top:
-                    dname = str(store).replace("torch.", "")
-                    raise ValueError(f"{name} holds values up to {peak:g}, beyond {dname}'s range (|x| <= {top:g}), "
-                                     f"the dtype of the cache's unquantized parts: pass KVCache(dtype=torch.float32) "
-                                     f"or dtype=None (the model's dtype)")
+        flags = torch.stack([C.store_flags(key_states, store), C.store_flags(value_states, store)]).tolist()  # one sync
+        for name, x, f in zip(("key_states", "value_states"), (key_states, value_states), flags):
+            C.raise_store_flags(name, x, f, store, "the dtype of the cache's unquantized parts",
+                                " (or pass KVCache(dtype=torch.float32), or dtype=None: the model's dtype)")
 
     def _snapshot(self):
         """What ``_restore`` needs to undo a failed update (tensors are replaced, not written in place, except the

@@ -37,12 +37,29 @@ Layout
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from . import _checks as C
 from .reference import MSECodec
 
-__all__ = ["CenteredMSECodec"]
+__all__ = ["CenteredMSECodec", "stats_fingerprint"]
+
+
+def stats_fingerprint(mean: torch.Tensor, scale: torch.Tensor, rope=None) -> str:
+    """SHA-256 (hex, 12 characters) of the float32 ``mean`` and ``scale`` and of ``rope`` (its ``inv_freq`` and
+    ``scaling``, or none): equal for equal statistics, different for any other calibration."""
+    h = hashlib.sha256()
+    for t in (mean, scale):
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    if rope is not None:
+        h.update(b"rope")
+        h.update(rope.inv_freq.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
+        h.update(repr(float(rope.scaling)).encode())
+    return h.hexdigest()[:12]
 
 
 class CenteredMSECodec:
@@ -55,6 +72,10 @@ class CenteredMSECodec:
     docstring), ``"rotated"`` the MSE codec's rotated, normalised-space vector ``z_hat @ R``.
     ``rope``: ``None`` (the same mean at every position) or a ``kvlab.calibration.RoPE`` (``mean`` is
     before RoPE; ``encode`` and ``decode(space="model")`` then need the tokens' ``positions``).
+    ``stats_fingerprint`` (``stats_fingerprint(mean, scale, rope)``) names the statistics; ``self.mse``
+    carries it as ``centered_stats``, so a paged cache that ``kvlab.store_centered_mse`` writes records it
+    and a checked read with other statistics (``load_centered_mse``, ``decode_attention``,
+    ``prefill_attention``) or as plain MSE codes is an error (``kvlab._checks.check_reader``).
     """
 
     def __init__(self, dim: int, bits: int, mean: torch.Tensor, scale: torch.Tensor, rotation: str = "haar",
@@ -77,6 +98,10 @@ class CenteredMSECodec:
             raise ValueError(f"rope must be None or a kvlab.calibration.RoPE of {dim} channels, got {rope!r}")
         self.rope = rope
         self.nbytes = self.mse.nbytes
+        # the codes are those of z, which only these statistics turn back into keys: the MSE codec that writes
+        # them carries their fingerprint, so a cache it writes knows it (kvlab._checks.codec_identity)
+        self.stats_fingerprint = stats_fingerprint(self.mean, self.scale, rope)
+        self.mse.centered_stats = self.stats_fingerprint
 
     @property
     def bits_per_element(self) -> float:

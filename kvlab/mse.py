@@ -1493,7 +1493,7 @@ def load_mse(
     num_tokens = slot_mapping.shape[0]
     C.check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, cache.device, values=check)
     if check:
-        C.check_reader(cache, **{f"{part}_codec": codec})
+        C.check_reader(cache, *((codec, None) if part == "key" else (None, codec)), names=("codec", "codec"))
     # model space: fused (an fp16 product in the kernel) for 16-bit outputs; an exact fp32 GEMM for fp32
     # (tiles of 16 to 128 columns: R^T, at most 32 KB in fp16, is loaded once by every program)
     fused = space == "model" and out_dtype != torch.float32 and 16 <= 8 * _block_g(codec.dim) <= 128

@@ -22,6 +22,16 @@ What
     * ``fp16_part``: unquantized, stored in fp16.
 
     Everything is pure torch on the CPU; tokens are coded independently (per-token codecs only).
+
+Checks
+    ``update`` checks its inputs as ``KVCache.update`` does: ``layer_idx`` in ``[0, layers)``, float key
+    and value states ``[batch, heads, tokens, head_dim]`` of one shape, dtype and device, the batch,
+    heads, head_dim, dtype and device of the layer's first update, finite values, and values that the
+    fp16 parts can hold (the sink and residual tokens, ``fp16_part``): a finite value beyond 65504 or a
+    nonzero vector whose values are all below fp16's smallest normal number (6.1e-05) is an error, not
+    ``inf`` or zeros. A codec that cannot code the states (an MSE norm outside fp16's range) is an error
+    naming the states; a part that returns another shape is an error naming the part. A call that
+    raises leaves the layer as it was.
 """
 
 from __future__ import annotations
@@ -51,14 +61,32 @@ class Part:
     bits_per_element: float
     label: str = ""
 
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise TypeError(f"fn must be callable (x [B, H, n, D], positions [n]) -> x_hat, got {type(self.fn).__name__}")
+        bits = self.bits_per_element
+        if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits < float("inf"):
+            raise ValueError(f"bits_per_element must be a positive finite number, got {bits!r}")
+        if not isinstance(self.label, str):
+            raise TypeError(f"label must be a str, got {type(self.label).__name__}")
+
 
 def _heads_last(fn):
     """Apply a codec on ``[..., H, D]`` to ``x [B, H, n, D]``."""
     return lambda x: fn(x.transpose(1, 2)).transpose(1, 2)
 
 
+FP16_WHERE = "fp16, in which the sink, the residual window and fp16 parts are stored"
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` stored in fp16 (as float32): finite, within fp16's range and no nonzero vector below its normal range."""
+    C.check_store("x", x, torch.float16, FP16_WHERE)
+    return x.half().float()
+
+
 def fp16_part() -> Part:
-    return Part(lambda x, pos: x.half().float(), 16.0, "fp16")
+    return Part(lambda x, pos: _fp16(x), 16.0, "fp16")
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,22 +185,65 @@ class _SimulatedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         self.decoded = ([], [])  # per call: decoded keys, values [B, H, n, D]
         self.exact = ([], [])  # the same in fp16 (for the residual window)
+        self.batch, self.num_heads, _, self.head_dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
+    def _check_states(self, key_states, value_states, pos: torch.Tensor) -> None:
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            C.check_tensor(name, x, C.FLOAT_DTYPES)
+            if x.dim() != 4:
+                raise ValueError(f"{name} must be [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
+        if value_states.shape != key_states.shape:
+            raise ValueError(f"value_states must have the shape of key_states {tuple(key_states.shape)}, "
+                             f"got {tuple(value_states.shape)}")
+        if value_states.dtype != key_states.dtype:
+            raise TypeError(f"value_states must have the dtype of key_states ({key_states.dtype}), got {value_states.dtype}")
+        C.check_same_device(key_states=key_states, value_states=value_states)
+        if self.is_initialized:
+            b, h, _, d = key_states.shape
+            if (b, h, d) != (self.batch, self.num_heads, self.head_dim):
+                raise ValueError(f"key_states must be [{self.batch}, {self.num_heads}, tokens, {self.head_dim}] (the batch, "
+                                 f"heads and head_dim of the layer's first update), got shape {tuple(key_states.shape)}")
+            if (key_states.dtype, key_states.device) != (self.dtype, self.device):
+                raise TypeError(f"key_states must have the dtype and device of the layer's first update ({self.dtype} on "
+                                f"{self.device}), got {key_states.dtype} on {key_states.device}")
+        fp16 = self.residual > 0 or (self.sink > 0 and pos.numel() > 0 and int(pos[0]) < self.sink)
+        flags = torch.stack([C.store_flags(x, torch.float16 if fp16 else torch.float32)
+                             for x in (key_states, value_states)]).tolist()  # one sync
+        for name, x, f in zip(("key_states", "value_states"), (key_states, value_states), flags):
+            C.raise_store_flags(name, x, f, torch.float16 if fp16 else torch.float32, FP16_WHERE if fp16 else "float32")
+
     def update(self, key_states, value_states, *args, **kwargs):
+        """Code the new tokens; return what attention uses. A call that raises leaves the layer as it was."""
+        n = key_states.shape[2] if isinstance(key_states, torch.Tensor) and key_states.dim() == 4 else 0
+        pos = torch.arange(self.length, self.length + n)
+        self._check_states(key_states, value_states, pos)
+        decoded, exact = [], []
+        for name, x, part, which in (("key_states", key_states, self.key, "key"),
+                                     ("value_states", value_states, self.value, "value")):
+            try:
+                y = part.fn(x, pos)
+            except ValueError as exc:
+                raise ValueError(f"{name} cannot be coded by the {which} part {part.label or part.fn!r}: {exc}") from None
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+                raise ValueError(f"the {which} part {part.label or part.fn!r} must return a tensor of the shape of its "
+                                 f"input {tuple(x.shape)}, got {got}")
+            y = y.to(x.dtype)
+            if self.sink and n and pos[0] < self.sink:
+                y = torch.where((pos < self.sink)[:, None].to(x.device), x.half().to(x.dtype), y)
+            decoded.append(y)
+            exact.append(x.half().to(x.dtype))
+        # everything computed: store it (nothing above changed the layer)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[2]
-        pos = torch.arange(self.length, self.length + n)
         first = self.length == 0
         self.length += n
-        for i, (x, part) in enumerate(((key_states, self.key), (value_states, self.value))):
-            decoded = part.fn(x, pos).to(x.dtype)
-            if self.sink and pos[0] < self.sink:
-                decoded = torch.where((pos < self.sink)[:, None].to(x.device), x.half().to(x.dtype), decoded)
-            self.decoded[i].append(decoded)
+        for i in range(2):
+            self.decoded[i].append(decoded[i])
             if self.residual:
-                self.exact[i].append(x.half().to(x.dtype))
+                self.exact[i].append(exact[i])
         if first:
             return key_states, value_states
         out = [torch.cat(d, 2) for d in self.decoded]
@@ -199,11 +270,21 @@ class SimulatedCache(Cache):
     def __init__(self, parts: Sequence[tuple[Part, Part]], *, residual: int = 0, sink: int = 0):
         C.check_int("residual", residual, minimum=0)
         C.check_int("sink", sink, minimum=0)
+        if not isinstance(parts, (list, tuple)) or not parts:
+            raise TypeError(f"parts must be a non-empty list with one (key Part, value Part) pair per layer, "
+                            f"got {parts!r:.80}")
         for i, p in enumerate(parts):
-            if len(p) != 2 or not all(isinstance(q, Part) for q in p):
-                raise TypeError(f"parts[{i}] must be a (key Part, value Part) pair")
+            if not isinstance(p, (list, tuple)) or len(p) != 2 or not all(isinstance(q, Part) for q in p):
+                raise TypeError(f"parts[{i}] must be a (key Part, value Part) pair, got {p!r:.80}")
         self.parts, self.residual, self.sink = list(parts), residual, sink
         super().__init__(layers=[_SimulatedLayer(k, v, residual, sink) for k, v in self.parts])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Code the new tokens of layer ``layer_idx``; return what attention uses (see the module docstring)."""
+        C.check_int("layer_idx", layer_idx)
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def held_bits_per_element(self) -> float:
         """Bits per stored K/V element: codes and norms, plus the sink and residual tokens at 16 bits (nan when empty)."""
