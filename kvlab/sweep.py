@@ -127,6 +127,7 @@ KERNEL_START_ATTEMPTS = 3
 KERNEL_START_FAILURE = "Kernel died before replying to kernel_info"
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 MAX_PLOT_PANELS = 12
+MAX_RUNS = 100_000  # a larger grid is a typo (each run executes a notebook), refused before it is built
 
 
 class SweepError(ValueError):
@@ -163,6 +164,31 @@ def notebook_parameters(notebook: dict) -> dict[str, object]:
                             found[target.id] = _UNKNOWN
             return found
     raise SweepError("the notebook has no code cell tagged 'parameters', so it takes no parameters")
+
+
+def _read_notebook(source: Path) -> tuple[bytes, dict]:
+    """The bytes of the notebook file ``source`` and its JSON; SweepError unless it is a valid nbformat 4 notebook."""
+    import copy
+    import warnings
+
+    import nbformat
+
+    try:
+        data = source.read_bytes()
+        nb = json.loads(data)
+    except (OSError, ValueError) as exc:
+        raise SweepError(f"{source}: not a notebook ({exc})") from None
+    if not isinstance(nb, dict) or nb.get("nbformat") != 4:
+        raise SweepError(f"{source}: not a notebook of nbformat 4 (a JSON object with \"nbformat\": 4 and a list of "
+                         f"cells), got {type(nb).__name__}" + (f" of nbformat {nb.get('nbformat')!r}" if isinstance(nb, dict) else ""))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nbformat.validate(copy.deepcopy(nb))  # validate() fills in missing cell ids: leave nb as read
+    except Exception as exc:  # nbformat's ValidationError and what a malformed notebook makes it raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SweepError(f"{source}: not a valid notebook ({first})") from None
+    return data, nb
 
 
 _INT = re.compile(r"[+-]?\d+")
@@ -302,6 +328,10 @@ def _check_grid(grid: dict, defaults: dict) -> None:
             if canon in seen:
                 raise SweepError(f"-p {name}: the value {format_value(value)} is given twice")
             seen.add(canon)
+    total = math.prod(len(values) for values in grid.values())
+    if total > MAX_RUNS:
+        sizes = " x ".join(f"{len(v)} ({n})" for n, v in grid.items())
+        raise SweepError(f"the grid has {total} runs ({sizes}), more than {MAX_RUNS}: sweep fewer values")
 
 
 def _canonical(value) -> str:
@@ -667,8 +697,26 @@ def _run_local(tasks: dict[Run, Task], slots: list[dict]):
         futures = {pool.submit(pinned, task): run for run, task in tasks.items()}
         for future in as_completed(futures):
             yield futures[future], future.result()
-    finally:  # interrupted: start no further run
-        pool.shutdown(wait=True, cancel_futures=True)
+    except BaseException:  # interrupted (or the consumer stopped): runs in flight end now, with their kernels
+        _ABORT.set()
+        raise
+    finally:  # start no further run; wait for the runs in flight to end, however often Ctrl-C is pressed meanwhile
+        _wait_uninterrupted(lambda: pool.shutdown(wait=True, cancel_futures=True))
+
+
+def _wait_uninterrupted(wait) -> None:
+    """Call ``wait()`` to its end: a KeyboardInterrupt (or SIGTERM) meanwhile calls it again, and is raised after it."""
+    interrupted = None
+    while True:
+        try:
+            wait()
+            break
+        except KeyboardInterrupt as exc:
+            interrupted = interrupted or exc
+            print("kvlab.sweep: stopping: ending the runs in flight and their kernels "
+                  f"(at most {STOP_GRACE_S} s)", file=sys.stderr, flush=True)
+    if interrupted is not None:
+        raise interrupted
 
 
 def _connect_dask(address: str):
@@ -811,15 +859,29 @@ def _table_lock(directory: Path):
 TABLE_PARAMETERS = ".results.json"  # beside results.csv: which of its columns are the parameters
 
 
+def _check_writable(directory: Path, out) -> None:
+    """SweepError unless a file can be created in ``directory`` (a read-only folder fails before anything runs)."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".kvlab-sweep-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise SweepError(f"--out {out}: cannot write into {directory} ({exc.strerror or exc})") from None
+
+
 def _read_table(directory: Path, parameters: list[str]) -> tuple[list[str], list[dict]]:
     """The columns and rows (cell text) of ``directory``'s results.csv; SweepError if its grid has other parameters."""
     path = directory / "results.csv"
     if not path.is_file():
         return [], []
-    with open(path, newline="") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, [])
-        rows = [dict(zip(header, cells)) for cells in reader]
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.reader(fh)
+            header = next(reader, [])
+            rows = [dict(zip(header, cells)) for cells in reader]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise SweepError(f"--out: {path} cannot be read as a table ({exc}); the sweep merges its rows into it: "
+                         "move it away or use another --out") from None
     try:
         known = json.loads((directory / TABLE_PARAMETERS).read_text())["parameters"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -894,11 +956,7 @@ def sweep(
     if execution_timeout is not None and (isinstance(execution_timeout, bool) or not isinstance(execution_timeout, int)
                                           or execution_timeout < 1):
         raise SweepError(f"--execution-timeout must be an integer >= 1 (seconds), got {execution_timeout!r}")
-    source_bytes = source.read_bytes()
-    try:
-        source_nb = json.loads(source_bytes)
-    except ValueError as exc:
-        raise SweepError(f"{source}: not a notebook ({exc})") from None
+    source_bytes, source_nb = _read_notebook(source)
     defaults = notebook_parameters(source_nb)
     _check_grid(grid, defaults)
     runs = _grid_runs(grid)
@@ -908,6 +966,14 @@ def sweep(
     for folder in (Path(out), directory):
         if folder.exists() and not folder.is_dir():
             raise SweepError(f"--out {out}: {folder} exists and is not a folder")
+    # every file the sweep writes must be a file or absent, so that no run is lost to a write failing at the end
+    written = ["results.csv", "results.png", TABLE_PARAMETERS, ".results.lock", *(f"{run.key}.ipynb" for run in runs)]
+    for name in written:
+        if (directory / name).exists() and not (directory / name).is_file():
+            raise SweepError(f"--out {out}: {directory / name} exists and is not a file; the sweep writes it: "
+                             "move it away or use another --out")
+    if directory.is_dir():
+        _check_writable(directory, out)
     if (directory / "results.csv").exists():
         with _table_lock(directory):
             _read_table(directory, list(grid))  # a table of other parameters: refused before anything runs
@@ -929,6 +995,7 @@ def sweep(
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SweepError(f"--out {out}: cannot create the folder {directory} ({exc.strerror or exc})") from None
+    _check_writable(directory, out)
     _ABORT.clear()
 
     rows: dict[Run, dict] = {}
@@ -1116,12 +1183,7 @@ def _main(args) -> int:
         source = Path(args.notebook)
         if source.suffix != ".ipynb" or not source.is_file():
             raise SweepError(f"notebook {args.notebook!r} is not an .ipynb file")
-        try:
-            defaults = notebook_parameters(json.loads(source.read_bytes()))
-        except ValueError as exc:
-            if isinstance(exc, SweepError):
-                raise
-            raise SweepError(f"{source}: not a notebook ({exc})") from None
+        defaults = notebook_parameters(_read_notebook(source)[1])
         grid: dict[str, list] = {}
         for name, text in args.parameter:
             if name in grid:

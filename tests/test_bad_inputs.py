@@ -589,3 +589,142 @@ def test_store_mse_tiny_vectors_are_an_error_and_the_cache_is_unchanged():
     with pytest.raises(ValueError, match="key has nonzero vectors with norm below 6.10352e-05"):
         kvlab.store_mse(k.to(DEVICE), torch.randn(5, HEADS, DIM).to(DEVICE), slots, cache, kc, vc)
     assert torch.equal(cache, before)  # the slots written before the check are put back
+
+
+# ----------------------------------------------------------------------------- centred keys read with other statistics
+
+
+def _stats(seed, rope=False):
+    g = torch.Generator().manual_seed(seed)
+    mean, scale = torch.randn(HEADS, DIM, generator=g), torch.rand(HEADS, DIM, generator=g) + 0.5
+    r = kvlab.RoPE(1e4 ** -(torch.arange(0, DIM, 2, dtype=torch.float64) / DIM)) if rope else None
+    return mean, scale, r
+
+
+def _centered(seed=0, rope=False):
+    mean, scale, r = _stats(seed, rope)
+    return kvlab.CenteredMSECodec(DIM, 4, mean, scale, rope=r)
+
+
+def _centered_cache(tokens=5):
+    kc, vc = _centered(), kvlab.MSECodec(DIM, 4)
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(tokens, HEADS, DIM, generator=g) + kc.mean
+    v = torch.randn(tokens, HEADS, DIM, generator=g)
+    cache, slots = paged(4, 4, blocks=1), torch.arange(tokens, device=DEVICE)
+    kvlab.store_centered_mse(k.to(DEVICE), v.to(DEVICE), slots, cache, kc, vc)
+    return cache, slots, k, vc
+
+
+@pytest.mark.parametrize("reader, match", [
+    (lambda: _centered(seed=1), r"statistics [0-9a-f]{12}\); got centered\(.*statistics [0-9a-f]{12}\) \(the same codec "
+                                r"with other calibration statistics"),
+    (lambda: _centered(rope=True), "other calibration statistics"),
+    (lambda: kvlab.CenteredMSECodec(DIM, 4, *_stats(0)[:2], seed=1), r"got centered\(mse\(dim=64, bits=4, rotation='haar', seed=1"),
+])
+def test_centered_cache_read_with_other_statistics_is_an_error(reader, match):
+    cache, slots, _, vc = _centered_cache()
+    before, codec = cache.clone(), reader()
+    q = torch.randn(1, HEADS, DIM).half().to(DEVICE)
+    table, lens = torch.tensor([[0]], dtype=torch.int32, device=DEVICE), torch.tensor([5], device=DEVICE)
+    calls = [
+        lambda: kvlab.load_centered_mse(cache, slots, codec, positions=slots.cpu()),
+        lambda: kvlab.decode_attention(q, cache, table, lens, codec, vc),
+        lambda: kvlab.prefill_attention(q[:, None], cache, table, lens, codec, vc),
+    ]
+    for call, name in zip(calls, ("codec", "key_codec", "key_codec")):
+        with pytest.raises(ValueError, match=f"{name} must be the codec that wrote this cache, centered.*" + match):
+            call()
+    assert torch.equal(cache, before)
+
+
+def test_centered_and_plain_codes_are_not_read_as_each_other():
+    cache, slots, _, vc = _centered_cache()
+    with pytest.raises(ValueError, match=r"got mse\(dim=64.*\(centred keys are read with the CenteredMSECodec"):
+        kvlab.load_mse(cache, slots, kvlab.MSECodec(DIM, 4), part="key", space="model")
+    plain, plain_slots = _written_cache(kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3))
+    with pytest.raises(ValueError, match=r"codec must be the codec that wrote this cache, mse\(dim=64, bits=4.*got centered"):
+        kvlab.load_centered_mse(plain, plain_slots, _centered())
+
+
+def test_centered_cache_read_with_its_statistics_is_correct():
+    cache, slots, k, vc = _centered_cache()
+    same = _centered()  # another object, built from the same statistics
+    assert same.stats_fingerprint == _centered().stats_fingerprint != _centered(seed=1).stats_fingerprint
+    got = kvlab.load_centered_mse(cache, slots, same, out_dtype=torch.float32).cpu()
+    assert float((got - k).norm() / k.norm()) < 0.15  # the codec's error at 4 bits
+    q = torch.randn(1, HEADS, DIM).half().to(DEVICE)
+    table, lens = torch.tensor([[0]], dtype=torch.int32, device=DEVICE), torch.tensor([5], device=DEVICE)
+    out = kvlab.decode_attention(q, cache, table, lens, same, vc)
+    ref = decode_attention_reference(q, cache, table, lens, same, vc)
+    assert float((out.float() - ref).norm() / ref.norm()) < 5e-3
+
+
+def test_stats_fingerprint_sees_one_changed_number():
+    mean, scale, rope = _stats(0, rope=True)
+    base = kvlab.centered_reference.stats_fingerprint(mean, scale, rope)
+    bumped = mean.clone()
+    bumped[1, 7] = torch.nextafter(bumped[1, 7], torch.tensor(math.inf))
+    assert kvlab.centered_reference.stats_fingerprint(bumped, scale, rope) != base
+    assert kvlab.centered_reference.stats_fingerprint(mean, scale, None) != base
+    assert kvlab.centered_reference.stats_fingerprint(mean.clone(), scale.clone(), rope) == base
+
+
+# ----------------------------------------------------------------------------- the cache's 16-bit parts at both ends
+
+
+PARTS_16 = [
+    pytest.param(KVFormat("fp16"), {}, id="fp16-layer"),
+    pytest.param(KVFormat("affine", 4), {"residual": 4}, id="residual-window"),
+    pytest.param(KVFormat("mse", 4), {"sink": 4}, id="sink"),
+    pytest.param(KVFormat("mse", 4), {}, id="mse-tail"),
+    pytest.param(KVFormat("affine", 4, key_axis="channel"), {}, id="open-key-group"),
+    pytest.param(KVFormat("affine", [4, 8], 4), {"residual": 2}, id="mixed-residual"),
+]
+
+
+@pytest.mark.parametrize("fmt, options", PARTS_16)
+@pytest.mark.parametrize("end", ["high", "low"])
+@pytest.mark.parametrize("part", ["key_states", "value_states"])
+def test_the_16_bit_parts_refuse_both_ends_of_fp16(fmt, options, end, part):
+    cache = small_cache(fmt, **options)
+    cache.update(*states(2), 0)
+    k, v = states(2)
+    x = k if part == "key_states" else v
+    if end == "high":
+        x[0, 1, 1, 5] = -7e4
+        match = rf"{part} holds values up to 70000, beyond float16's range \(\|x\| <= 65504\)"
+    else:
+        x[0, 1, 1] = torch.randn(DIM) * 1e-9  # every value underflows fp16 (to 0 or a subnormal of no digits)
+        match = rf"{part} has nonzero vectors whose values are all below 6.10352e-05 in magnitude"
+    assert_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError, match)
+
+
+@pytest.mark.parametrize("fmt, options", PARTS_16)
+def test_the_16_bit_parts_keep_zeros_small_vectors_and_tiny_elements(fmt, options):
+    cache = small_cache(fmt, prefill="stored", **options)
+    k, v = states(2)
+    k[0, 0, 0] = 0.0  # a zero vector is stored exactly
+    k[0, 1, 0] *= 1e-3  # a small vector whose values are normal fp16 numbers
+    k[0, 1, 1, :8] = 1e-9  # tiny values in a vector that is not tiny: they lose nothing that matters
+    out_k, _ = cache.update(k, v, 0)
+    assert torch.equal(out_k[0, 0, 0], torch.zeros(DIM))
+    small = k[0, 1, 0]
+    assert float((out_k[0, 1, 0].float() - small).norm() / small.norm()) < (1e-2 if fmt.codec == "fp16" or options.get("residual") or options.get("sink") else 0.3)
+
+
+def test_a_float32_cache_keeps_tiny_vectors_and_fp16_inputs_keep_their_subnormals():
+    k, v = states(2)
+    k[0, 0, 0] = torch.randn(DIM) * 1e-9
+    out_k, _ = small_cache(KVFormat("fp16"), dtype=torch.float32, prefill="stored").update(k, v, 0)
+    assert torch.equal(out_k, k)
+    k16, v16 = k.half(), v.half()  # fp16 inputs into fp16 storage: nothing is lost, nothing to refuse
+    out_k, _ = small_cache(KVFormat("fp16"), prefill="stored").update(k16, v16, 0)
+    assert torch.equal(out_k, k16)
+
+
+def test_bf16_inputs_below_fp16s_range_are_refused():
+    k, v = states(2, dtype=torch.bfloat16)
+    v[0, 0, 1] = (torch.randn(DIM) * 1e-12).bfloat16()
+    cache = small_cache(KVFormat("fp16"))
+    assert_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError, "value_states has nonzero vectors")
