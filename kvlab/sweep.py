@@ -974,9 +974,8 @@ def sweep(
                              "move it away or use another --out")
     if directory.is_dir():
         _check_writable(directory, out)
-    if (directory / "results.csv").exists():
-        with _table_lock(directory):
-            _read_table(directory, list(grid))  # a table of other parameters: refused before anything runs
+    if (directory / "results.csv").exists():  # tables are replaced by renames: read without the lock, create nothing
+        _read_table(directory, list(grid))  # a table of other parameters or unreadable: refused before anything runs
     source_sha256 = hashlib.sha256(source_bytes).hexdigest()
     finished: dict[Run, dict] = {}
     if not force:

@@ -376,16 +376,17 @@ def _written_cache(kc, vc, tokens=5):
 
 
 @pytest.mark.parametrize("reader, part, match", [
-    (kvlab.MSECodec(DIM, 3), "key", "key_codec must be the codec that wrote this cache, mse\\(dim=64, bits=4"),
+    (kvlab.MSECodec(DIM, 3), "key", "codec must be the codec that wrote this cache, mse\\(dim=64, bits=4"),
     (kvlab.MSECodec(DIM, 4, seed=1), "key", "got mse\\(dim=64, bits=4, rotation='haar', seed=1"),
-    (kvlab.MSECodec(DIM, 4), "value", "value_codec must be the codec that wrote this cache, mse\\(dim=64, bits=3"),
+    (kvlab.MSECodec(DIM, 4), "value", "codec must be the codec that wrote this cache, mse\\(dim=64, bits=3"),
 ])
 def test_reading_with_another_codec_is_an_error(reader, part, match):
     # keys 4 bits, values 3 bits: the same slot size as keys 3, values 4
     cache, slots = _written_cache(kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3))
     before = cache.clone()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as failure:
         kvlab.load_mse(cache, slots, reader, part=part, space="model")
+    assert str(failure.value).startswith("codec must be the codec that wrote this cache")  # load_mse's argument
     assert torch.equal(cache, before)
 
 
@@ -728,3 +729,194 @@ def test_bf16_inputs_below_fp16s_range_are_refused():
     v[0, 0, 1] = (torch.randn(DIM) * 1e-12).bfloat16()
     cache = small_cache(KVFormat("fp16"))
     assert_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError, "value_states has nonzero vectors")
+
+
+# ----------------------------------------------------------------------------- SimulatedCache
+
+
+def simulated(layers=1, key=None, value=None, **options):
+    from kvlab.simulated import SimulatedCache, mse_part
+
+    return SimulatedCache([(key or mse_part(DIM, 4), value or mse_part(DIM, 3)) for _ in range(layers)], **options)
+
+
+def sim_state(cache):
+    return [(layer.length, [[t.clone() for t in d] for d in getattr(layer, "decoded", ([], []))],
+             [[t.clone() for t in e] for e in getattr(layer, "exact", ([], []))]) for layer in cache.layers]
+
+
+def sim_same(a, b) -> bool:
+    return all(la == lb and all(len(x) == len(y) and all(torch.equal(s, t) for s, t in zip(x, y))
+                                for x, y in zip(da + ea, db + eb))
+               for (la, da, ea), (lb, db, eb) in zip(a, b))
+
+
+def sim_fails_unchanged(cache, call, error, match):
+    before = sim_state(cache)
+    with pytest.raises(error, match=match):
+        call()
+    assert sim_same(before, sim_state(cache))
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: (torch.randint(0, 9, (1, HEADS, 2, DIM)),) * 2, TypeError, r"key_states must have dtype in \(float16, bfloat16, float32\)"),
+    (lambda: tuple(x.double() for x in states(2)), TypeError, "key_states must have dtype in"),
+    (lambda: (torch.randn(HEADS, 2, DIM),) * 2, ValueError, r"key_states must be \[batch, heads, tokens, head_dim\]"),
+    (lambda: (torch.randn(1, HEADS + 1, 2, DIM),) * 2, ValueError, r"key_states must be \[1, 2, tokens, 64\] \(the batch, heads"),
+    (lambda: states(2, batch=2), ValueError, r"key_states must be \[1, 2, tokens, 64\]"),
+    (lambda: (torch.randn(1, HEADS, 2, 32),) * 2, ValueError, r"key_states must be \[1, 2, tokens, 64\]"),
+    (lambda: states(2, dtype=torch.float16), TypeError, "key_states must have the dtype and device of the layer's first update"),
+    (lambda: (states(2)[0], states(3)[1]), ValueError, "value_states must have the shape of key_states"),
+    (lambda: (states(2)[0], states(2)[1].half()), TypeError, "value_states must have the dtype of key_states"),
+])
+def test_simulated_cache_bad_states_are_named(make, error, match):
+    cache = simulated()
+    cache.update(*states(2), 0)
+    sim_fails_unchanged(cache, lambda: cache.update(*make(), 0), error, match)
+
+
+@pytest.mark.parametrize("layer_idx, error", [(1, ValueError), (-1, ValueError), (0.0, TypeError), (None, TypeError)])
+def test_simulated_cache_layer_index(layer_idx, error):
+    cache = simulated()
+    cache.update(*states(2), 0)
+    sim_fails_unchanged(cache, lambda: cache.update(*states(2), layer_idx), error, "layer_idx must be")
+
+
+@pytest.mark.parametrize("where, options, key", [
+    ("fp16 part", {}, "fp16"), ("residual", {"residual": 3}, None), ("sink", {"sink": 8}, None),
+])
+@pytest.mark.parametrize("end", ["high", "low", "nan"])
+def test_simulated_cache_fp16_parts_refuse_both_ends(where, options, key, end):
+    from kvlab.simulated import fp16_part
+
+    cache = simulated(key=fp16_part() if key else None, **options)
+    cache.update(*states(2), 0)
+    k, v = states(2)
+    if end == "high":
+        k[0, 0, 1, 3], match = 7e4, "key_states.*holds values up to 70000, beyond float16's range"
+    elif end == "low":
+        k[0, 1, 0], match = torch.randn(DIM) * 1e-9, "key_states.*nonzero vectors whose values are all below 6.10352e-05"
+    else:
+        k[0, 1, 0, 0], match = math.inf, "key_states holds NaN or Inf"
+    sim_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError, match)
+
+
+@pytest.mark.parametrize("part", ["key", "value"])
+def test_simulated_cache_failed_update_is_atomic_and_the_cache_goes_on(part):
+    cache = simulated()
+    cache.update(*states(2), 0)
+    k, v = states(2, seed=1)
+    (k if part == "key" else v)[0, 1, 0] = 60000.0  # every element fits fp16, the vector's norm does not
+    sim_fails_unchanged(cache, lambda: cache.update(k, v, 0), ValueError,
+                        f"{part}_states cannot be coded by the {part} part 'mse[34]': .*norm above 65504")
+    out_k, out_v = cache.update(*states(2, seed=1), 0)
+    assert cache.get_seq_length() == 4 and out_k.shape == out_v.shape == (1, HEADS, 4, DIM)
+
+
+def test_simulated_cache_part_of_another_shape_and_bad_parts():
+    from kvlab.simulated import Part, SimulatedCache, mse_part
+
+    cache = simulated(key=Part(lambda x, pos: x[..., :8], 4.0, "truncating"))
+    sim_fails_unchanged(cache, lambda: cache.update(*states(2), 0), ValueError,
+                        r"the key part 'truncating' must return a tensor of the shape of its input \(1, 2, 2, 64\)")
+    assert not cache.layers[0].is_initialized
+    for parts, match in ((5, "parts must be a non-empty list"), ([], "parts must be a non-empty list"),
+                         ([mse_part(DIM, 4)], r"parts\[0\] must be a \(key Part, value Part\) pair")):
+        with pytest.raises(TypeError, match=match):
+            SimulatedCache(parts)
+    with pytest.raises(ValueError, match="bits_per_element must be a positive finite number"):
+        Part(lambda x, pos: x, -1.0)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        Part("not a function", 4.0)
+
+
+def test_simulated_cache_returns_the_decoded_codes_and_the_exact_window():
+    k_codec, v_codec = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3)
+    cache = simulated(residual=2)
+    k1, v1 = states(3)
+    assert cache.update(k1, v1, 0)[0] is k1  # the prompt, as given
+    k2, v2 = states(2, seed=1)
+    out_k, out_v = cache.update(k2, v2, 0)
+    keys, values = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)
+    assert torch.equal(out_k[:, :, :3], k_codec.decode(k_codec.encode(keys[:, :, :3])))
+    assert torch.equal(out_v[:, :, :3], v_codec.decode(v_codec.encode(values[:, :, :3])))
+    assert torch.equal(out_k[:, :, 3:], keys[:, :, 3:].half().float())
+
+
+# ----------------------------------------------------------------------------- sweep: inputs that crashed, hung or failed late
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[]", "not a notebook of nbformat 4"), ("null", "not a notebook of nbformat 4"),
+    ('{"cells": 5}', "not a notebook of nbformat 4"),
+    ('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code", "metadata": '
+     '{"tags": ["parameters"]}, "source": "a = 1"}]}', "not a valid notebook"),
+    ('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": "a = 1"}', "not a valid notebook"),
+    ("\xff", "not a notebook"),
+])
+def test_a_malformed_notebook_is_exit_2(tmp_path, capsys, text, match):
+    notebook = tmp_path / "bad.ipynb"
+    notebook.write_text(text)
+    assert S.main([str(notebook), "-p", "a", "1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_huge_grid_fails_at_once(tmp_path, capsys):
+    start = time.monotonic()
+    code = S.main([str(NOTEBOOK), "-p", "a", ",".join(map(str, range(2000))), "-p", "b",
+                   ",".join(f"{i}.5" for i in range(2000)), "--out", str(tmp_path / "out"), "--no-progress"])
+    assert code == 2 and time.monotonic() - start < 5
+    assert "the grid has 4000000 runs (2000 (a) x 2000 (b)), more than 100000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["results.csv", "results.png", "a=1.ipynb", ".results.json"])
+def test_an_output_that_is_a_folder_is_exit_2_before_anything_runs(tmp_path, capsys, name):
+    (tmp_path / "out" / "sweep_point" / name).mkdir(parents=True)
+    before = folder_state(tmp_path)
+    assert S.main([str(NOTEBOOK), "-p", "a", "1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert f"{name} exists and is not a file" in capsys.readouterr().err
+    assert folder_state(tmp_path) == before and sorted(os.listdir(tmp_path / "out" / "sweep_point")) == [name]
+
+
+def test_an_unreadable_table_is_exit_2_and_kept(tmp_path, capsys):
+    directory = tmp_path / "out" / "sweep_point"
+    directory.mkdir(parents=True)
+    (directory / "results.csv").write_bytes(b"a,status\n\xff\xfe,ok\n")
+    before = folder_state(tmp_path)
+    assert S.main([str(NOTEBOOK), "-p", "a", "1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "results.csv cannot be read as a table" in capsys.readouterr().err
+    assert folder_state(tmp_path) == before
+
+
+def test_an_interrupted_local_sweep_ends_the_runs_in_flight_at_once(monkeypatch):
+    # execute() stands for a run that lasts until the sweep is stopped (at most 60 s)
+    def run_until_stopped(task):
+        if task.parameters["a"] == 0:
+            return S.Outcome(True, 0.0, "", None)
+        S._ABORT.wait(60)
+        return S.Outcome(False, 0.0, "the sweep was interrupted", None)
+
+    monkeypatch.setattr(S, "execute", run_until_stopped)
+    S._ABORT.clear()
+    tasks = {S.Run(i, {"a": i}, f"a={i}"): S.Task("n.ipynb", "", {"a": i}, {}) for i in range(2)}
+    results = S._run_local(tasks, [{}, {}])
+    next(results)  # the quick run; the other is in flight
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        results.throw(KeyboardInterrupt)
+    assert time.monotonic() - start < 10 and S._ABORT.is_set()
+    S._ABORT.clear()
+
+
+def test_a_second_interrupt_does_not_cut_the_ending_short(capsys):
+    calls = []
+
+    def wait():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        S._wait_uninterrupted(wait)
+    assert len(calls) == 2 and "stopping: ending the runs in flight" in capsys.readouterr().err
