@@ -18,8 +18,11 @@ value is read as
 Where the parameters cell gives a string default, a value read as a number stays its text
 (``-p label 3`` passes ``"3"``). Where it gives a number, a bool, a list or a dict, a value of
 another kind is an error (None is always accepted: notebooks use it for "automatic").
-An unknown name, an axis without values, an empty or unbalanced value, a repeated name or value: all
-are errors reported before anything runs (exit code 2).
+An unknown name, an axis without values, an empty or unbalanced value, a repeated name or value, a
+grid of more than ``MAX_RUNS`` runs, a notebook that is not valid nbformat 4: all are errors reported
+before anything runs (exit code 2). So are outputs the sweep could not write at its end: a folder
+where it writes a file (``results.csv``, ``results.png``, a run's notebook), a folder it cannot write
+into, a ``results.csv`` it cannot read.
 
 Output. ``DIR`` (default ``sweeps``) receives, for a notebook ``name.ipynb``:
 
@@ -49,8 +52,9 @@ parameter names is refused, exit code 2, before anything runs). Writers take tur
 ``.results.json`` records which columns are the parameters. A glued ``nan`` or ``inf`` is written as
 ``nan`` / ``inf`` (an empty cell means "not glued").
 
-Stopping. On Ctrl-C (SIGINT) or SIGTERM the sweep ends the runs in flight: papermill is interrupted
-so that it shuts its kernel down, then it and its kernel are killed after ``STOP_GRACE_S`` seconds;
+Stopping. On Ctrl-C (SIGINT) or SIGTERM the sweep ends the runs in flight at once: papermill is
+interrupted so that it shuts its kernel down, then it and its kernel are killed after ``STOP_GRACE_S``
+seconds (another Ctrl-C meanwhile does not cut that short);
 their temporary folders are removed, finished runs' notebooks are kept (each written atomically) and
 ``results.csv`` is left as it was. A sweep killed with SIGKILL cannot do this: its papermill
 processes (each in a session of its own) run on to their end and leave their ``kvlab-sweep-*``
