@@ -246,7 +246,8 @@ def record_writer(cache: torch.Tensor, key_codec, value_codec) -> None:
     if key_codec is None:
         _WRITERS.pop(key, None)
         return
-    _WRITERS[key] = (weakref.ref(cache), codec_identity(key_codec), codec_identity(value_codec))
+    base = cache if cache._base is None else cache._base  # a view written into lives no longer than its base
+    _WRITERS[key] = (weakref.ref(base), codec_identity(key_codec), codec_identity(value_codec))
 
 
 def check_reader(cache: torch.Tensor, key_codec=None, value_codec=None, *, names=("key_codec", "value_codec")) -> None:

@@ -232,7 +232,7 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
     them over. The results equal separate runs (tested); the prompt costs one pass instead of one per
     cache.
     """
-    from transformers import DynamicCache
+    from transformers import Cache, DynamicCache
 
     C.check_tensor("ids", ids, (torch.int32, torch.int64))
     if ids.dim() != 1:
@@ -259,6 +259,16 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
     if max_windows is not None:
         n_windows = min(n_windows, max_windows)
     factories = {k: (v or (lambda: DynamicCache(config=model.config))) for k, v in factories.items()}
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if vocab is not None and ids.numel():
+        low, high = (int(t) for t in torch.aminmax(ids))  # one sync
+        if low < 0 or high >= vocab:
+            raise ValueError(f"ids must be token ids in [0, {vocab}) (the model's vocabulary), got range [{low}, {high}]")
+    longest = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(longest, int) and window > longest:
+        raise ValueError(f"window ({window}) must be at most the model's max_position_embeddings ({longest}): "
+                         "beyond it the model was not trained")
     device = next(model.parameters()).device
     ids = ids.to(device)
 
@@ -270,6 +280,10 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
             begin = w * stride
             prompt = ids[None, begin : begin + window - stride - 1]
             caches = {name: make() for name, make in factories.items()}
+            for name, kv in caches.items():
+                if not isinstance(kv, Cache):
+                    raise TypeError(f"cache must return a fresh transformers Cache for each window, got "
+                                    f"{type(kv).__name__}" + (f" for {name!r}" if name else ""))
             shared = [name for name, kv in caches.items() if _shares_prompt(kv)]
             if len(shared) > 1:
                 t0 = time.perf_counter()

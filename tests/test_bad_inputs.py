@@ -920,3 +920,47 @@ def test_a_second_interrupt_does_not_cut_the_ending_short(capsys):
     with pytest.raises(KeyboardInterrupt):
         S._wait_uninterrupted(wait)
     assert len(calls) == 2 and "stopping: ending the runs in flight" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- perplexity and a cache written through a view
+
+
+def test_a_cache_written_through_a_view_keeps_its_writer():
+    kc, vc = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3)
+    base = paged(4, 3)
+    slots = torch.arange(5, device=DEVICE)
+    kvlab.store_mse(torch.randn(5, HEADS, DIM).to(DEVICE), torch.randn(5, HEADS, DIM).to(DEVICE), slots, base[:2], kc, vc)
+    with pytest.raises(ValueError, match="codec must be the codec that wrote this cache"):  # the view is gone
+        kvlab.load_mse(base, slots, kvlab.MSECodec(DIM, 4, seed=3), space="model")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("ids, options, error, match", [
+    (torch.tensor([50] + [1] * 30), {}, ValueError, r"ids must be token ids in \[0, 50\) \(the model's vocabulary\), got range \[1, 50\]"),
+    (torch.tensor([1] * 30 + [-1]), {}, ValueError, r"ids must be token ids in \[0, 50\).*got range \[-1, 1\]"),
+    (torch.ones(200, dtype=torch.long), {"window": 128, "stride": 8}, ValueError,
+     r"window \(128\) must be at most the model's max_position_embeddings \(64\)"),
+    (torch.ones(40, dtype=torch.long), {"cache": lambda: 5}, TypeError,
+     "cache must return a fresh transformers Cache for each window, got int"),
+])
+def test_perplexity_bad_inputs_are_named(tiny_model, ids, options, error, match):
+    options = {"window": 16, "stride": 8, **options}
+    with pytest.raises(error, match=match):
+        kvlab.perplexity(tiny_model, ids, **options)
+
+
+def test_perplexity_with_a_simulated_cache_of_too_few_layers_names_layer_idx(tiny_model):
+    from kvlab.simulated import SimulatedCache, mse_part
+
+    with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 1\)"):
+        kvlab.perplexity(tiny_model, torch.ones(40, dtype=torch.long), window=16, stride=8,
+                         cache=lambda: SimulatedCache([(mse_part(32, 4), mse_part(32, 4))]))
