@@ -179,7 +179,7 @@ def _read_notebook(source: Path) -> tuple[bytes, dict]:
 
     try:
         data = source.read_bytes()
-        nb = json.loads(data)
+        nb = json.loads(data.decode("utf-8"))  # a notebook file is UTF-8 JSON (json.loads would take UTF-16 bytes too)
     except (OSError, ValueError) as exc:
         raise SweepError(f"{source}: not a notebook ({exc})") from None
     if not isinstance(nb, dict) or nb.get("nbformat") != 4:
@@ -456,7 +456,7 @@ def execute(task: Task) -> Outcome:
         env = _kernel_env(task.env)
         with tempfile.TemporaryDirectory(prefix="kvlab-sweep-") as tmp:
             src, dst = Path(tmp) / task.notebook_name, Path(tmp) / "executed.ipynb"
-            src.write_text(task.notebook_text)
+            src.write_text(task.notebook_text, encoding="utf-8")
             cmd = [sys.executable, "-m", "papermill", str(src), str(dst), "--cwd", str(ROOT),
                    "--kernel", "python3", "--no-progress-bar", "--log-level", "WARNING",
                    "--start-timeout", str(KERNEL_START_TIMEOUT),
@@ -467,7 +467,7 @@ def execute(task: Task) -> Outcome:
                 proc = _papermill(cmd, env, Path(tmp) / "papermill.log")
                 if dst.is_file() or KERNEL_START_FAILURE not in proc.stdout:
                     break
-            executed = dst.read_text() if dst.is_file() else None
+            executed = dst.read_text(encoding="utf-8") if dst.is_file() else None
     except Exception as exc:  # the run could not even start: report it as this run's failure
         return Outcome(False, time.monotonic() - start, f"could not run papermill: {type(exc).__name__}: {exc}", None, host=host)
     if _ABORT.is_set():
@@ -788,7 +788,7 @@ def _load_finished(path: Path, source_sha256: str, parameters: dict) -> dict | N
     if not path.is_file():
         return None
     try:
-        nb = json.loads(path.read_text())
+        nb = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     record = nb.get("metadata", {}).get(METADATA_KEY, {})
@@ -838,7 +838,7 @@ def _replace_atomically(path: Path, write) -> None:
     """``write(fh)`` into a temporary file of a name of its own beside ``path``, then rename it over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
-        with os.fdopen(fd, "w", newline="") as fh:
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as fh:  # whatever the locale: the table is read as UTF-8
             write(fh)
         os.replace(tmp, path)
     except BaseException:
@@ -887,7 +887,7 @@ def _read_table(directory: Path, parameters: list[str]) -> tuple[list[str], list
         raise SweepError(f"--out: {path} cannot be read as a table ({exc}); the sweep merges its rows into it: "
                          "move it away or use another --out") from None
     try:
-        known = json.loads((directory / TABLE_PARAMETERS).read_text())["parameters"]
+        known = json.loads((directory / TABLE_PARAMETERS).read_text(encoding="utf-8"))["parameters"]
     except (OSError, ValueError, KeyError, TypeError):
         known = header[: len(parameters)]  # a table written without the record: its first columns
     if sorted(known) != sorted(parameters):
@@ -988,7 +988,7 @@ def sweep(
             if nb is not None:
                 finished[run] = nb
     pending = [run for run in runs if run not in finished]
-    text = source_bytes.decode()
+    text = source_bytes.decode("utf-8")
     tasks = {run: Task(source.name, text, _jsonable(run.parameters), {}, execution_timeout) for run in pending}
 
     # connect or plan the workers before anything runs, so a bad option fails with nothing done

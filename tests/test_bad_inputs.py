@@ -964,3 +964,21 @@ def test_perplexity_with_a_simulated_cache_of_too_few_layers_names_layer_idx(tin
     with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 1\)"):
         kvlab.perplexity(tiny_model, torch.ones(40, dtype=torch.long), window=16, stride=8,
                          cache=lambda: SimulatedCache([(mse_part(32, 4), mse_part(32, 4))]))
+
+
+def test_a_utf16_notebook_is_exit_2(tmp_path, capsys):
+    notebook = tmp_path / "utf16.ipynb"
+    notebook.write_bytes(NOTEBOOK.read_text().encode("utf-16"))
+    assert S.main([str(notebook), "-p", "a", "1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "not a notebook" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_the_table_is_utf8_whatever_the_locale(tmp_path):
+    script = ("import sys, locale; from pathlib import Path; from kvlab import sweep as S\n"
+              "assert locale.getpreferredencoding(False).lower() in ('ansi_x3.4-1968', 'ascii', 'us-ascii')\n"
+              "row = {'a': 1, 'label': 'na\\u00efve \\u2211', 'status': 'ok', 'duration_s': 0.1, 'error': '', 'notebook': ''}\n"
+              "S._write_csv(Path(sys.argv[1]) / 'results.csv', ['a', 'label', *S.STATUS_COLUMNS], [row], ['a'])\n")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+           "PYTHONPATH": str(Path(__file__).parent.parent)}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
+    assert _table(tmp_path)[0]["label"] == "na\u00efve \u2211"
