@@ -5,7 +5,11 @@ results.csv as they were.
 Classes: sweep results (glued nan/inf, one table per folder, concurrent writers, stopping, bad options),
 the cache's 16-bit parts (range, integer inputs), atomic cache updates, reading a cache with other codecs,
 decode attention (large scores, unchecked out-of-range tables), low-level helpers (codes, sizes,
-dimensions, shapes, layer indices), and both ends of fp16's range for stored scales.
+dimensions, shapes, layer indices), both ends of fp16's range for stored scales; centred keys read with
+other calibration statistics, both ends of the cache's 16-bit parts, SimulatedCache (states, layer
+indices, fp16 parts, atomic updates, parts), sweep inputs that crashed, hung or failed after every run
+(malformed or non-UTF-8 notebooks, huge grids, outputs that are folders, unreadable tables, a stop
+that waited for the runs in flight, the locale), perplexity's ids, window and cache factory.
 """
 
 import copy
