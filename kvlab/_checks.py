@@ -55,7 +55,7 @@ def check_tensor(name: str, x, dtypes=None, ndim_min=None, last_dim=None) -> tor
 
 def check_finite(name: str, x: torch.Tensor) -> None:
     if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} holds NaN or Inf values; only finite values can be encoded")
+        raise ValueError(f"{name} holds NaN or Inf values; only finite values are allowed")
 
 
 def check_same_device(**tensors) -> None:

@@ -1095,6 +1095,7 @@ def decode_attention(
         raise ValueError(f"key_codec.num_heads ({centered.num_heads}) must equal the cache's num_kv_heads ({num_kv_heads})")
     if check:
         C.check_reader(cache, key_codec, value_codec)
+        C.check_finite("q", q)
     if scale is None:
         scale = dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
@@ -1435,6 +1436,7 @@ def prefill_attention(
     num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, True)
     if check:
         C.check_reader(cache, key_codec, value_codec)
+        C.check_finite("q", q)
     if bool((seq_lens < q_len).any()):
         raise ValueError(f"seq_lens must be >= q_len ({q_len}): the new tokens are the last ones of each cached sequence")
     if scale is None:

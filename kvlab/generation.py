@@ -175,22 +175,45 @@ class PagedKVCacheLayer(CacheLayerMixin):
         k = key.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         v = value.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         kc, vc = o.key_codec, o.value_codec
-        if o.backend == "triton" and n == 1 and valid is None:  # a decode step: launches prepared once, no sync
-            step = self._store_step
-            if step is None or step.shape != tuple(k.shape) or step.dtype != k.dtype:
+        step = n == 1 and valid is None
+        if not step:  # a prompt or a continuation: checked (host syncs), and undone in every layer if it fails
+            if self.layer_idx == 0:
+                o._undo = []
+            o._undo.append((self, self.length, self.seq_lens.clone()))
+            try:
+                self._store_checked(key, value, k, v, slots, dtype)
+            except ValueError:
+                o._rollback()
+                raise
+        elif o.backend == "triton":  # a decode step: launches prepared once, nothing checked, no sync
+            prepared = self._store_step
+            if prepared is None or prepared.shape != tuple(k.shape) or prepared.dtype != k.dtype:
                 kind = _MSEStoreStep if o.kind == "mse" else _AffineStoreStep
-                step = self._store_step = kind(k, v, slots, self.cache, kc, vc)
-            step(k, v, slots)
-        elif o.backend == "triton" and o.kind == "mse":
-            store_mse(k, v, slots, self.cache, kc, vc, check=False)
-        elif o.backend == "triton":
-            store_affine_slots(k, v, slots, self.cache, kc, vc, check=False)
+                prepared = self._store_step = kind(k, v, slots, self.cache, kc, vc)
+            prepared(k, v, slots)
         elif o.kind == "mse":
             write_slots(self.cache, slots, kc.encode(k), vc.encode(v), o.layout)
         else:
             write_affine_slots(self.cache, slots, k, v, kc, vc)
         self.seq_lens += n if valid is None else valid.sum(1, dtype=torch.int32)
         self.length += n
+
+    def _store_checked(self, key, value, k, v, slots, dtype) -> None:
+        """Store a prompt's (or a continuation's) ``k``/``v`` after checking that they can be stored: finite, within
+        ``dtype``'s range (and their norms within fp16's), no nonzero vector below its normal range."""
+        o = self.owner
+        for name, x, x16 in (("key_states", key, k), ("value_states", value, v)):
+            C.check_store(name, x, dtype, f"the {dtype} the kernels read")
+            if o.kind == "mse":
+                C.check_fp16_scales(name, x16.float().norm(dim=-1).flatten(), "norm")
+        if o.backend == "triton" and o.kind == "mse":
+            store_mse(k, v, slots, self.cache, o.key_codec, o.value_codec, check=True)
+        elif o.backend == "triton":
+            store_affine_slots(k, v, slots, self.cache, o.key_codec, o.value_codec, check=True)
+        elif o.kind == "mse":
+            write_slots(self.cache, slots, o.key_codec.encode(k), o.value_codec.encode(v), o.layout)
+        else:
+            write_affine_slots(self.cache, slots, k, v, o.key_codec, o.value_codec)
 
     def decode(self, q: torch.Tensor, scale: float, block_table=None, seq_lens=None, backend=None) -> torch.Tensor:
         """Attention of ``q [B, Hq, D]`` (one token per sequence) over the stored tokens: ``[B, Hq, D]``."""
@@ -274,6 +297,7 @@ class PagedKVCache(Cache):
         self.block_table = torch.arange(batch_size * self.max_blocks, dtype=torch.int32, device=device).view(
             batch_size, self.max_blocks)
         self.first_slot = self.block_table[:, 0].long() * block_size  # blocks of a sequence are consecutive
+        self._undo = []  # (layer, length, seq_lens) before the checked stores of the current forward pass
         super().__init__(layers=[PagedKVCacheLayer(self, i) for i in range(num_layers)])
 
     def __repr__(self) -> str:
@@ -286,8 +310,12 @@ class PagedKVCache(Cache):
             _HANDOFF.layer = None
             raise ValueError("a PagedKVCache is read by kvlab's attention only: load the model with "
                              "attn_implementation='kvlab' or call model.set_attn_implementation('kvlab')")
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx!r}")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be an int in [0, {len(self.layers)}), got {layer_idx!r}")
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            C.check_tensor(name, x, C.FLOAT_DTYPES)
+            if x.dim() != 4:
+                raise ValueError(f"{name} must be [batch, KV heads, tokens, head_dim], got shape {tuple(x.shape)}")
         batch, heads, n, dim = key_states.shape
         if (batch, heads, dim) != (self.batch, self.num_kv_heads, self.head_dim) or value_states.shape != key_states.shape:
             raise ValueError(f"key_states and value_states must be [{self.batch}, {self.num_kv_heads}, tokens, "
@@ -324,6 +352,14 @@ class PagedKVCache(Cache):
     def allocated_nbytes(self) -> int:
         """Bytes allocated for codes, every layer."""
         return sum(layer.allocated_nbytes() for layer in self.layers)
+
+    def _rollback(self) -> None:
+        """Undo the checked stores of the failing forward pass: every layer's lengths as they were before it (the
+        bytes it wrote lie past those lengths, where nothing reads them)."""
+        for layer, length, seq_lens in reversed(self._undo):
+            layer.length = length
+            layer.seq_lens.copy_(seq_lens)
+        self._undo = []
 
     def advance(self, n: int = 1) -> None:
         """Count ``n`` more tokens per sequence on the host (after a decode step replayed from a CUDA graph)."""

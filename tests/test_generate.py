@@ -266,3 +266,60 @@ def test_decode_step_equals_the_functions(fmt):
         want = decode_attention(q, layer.cache, cache.block_table, layer.seq_lens, cache.key_codec, cache.value_codec,
                                 scale=dim**-0.5, check=False)
         assert torch.equal(layer.decode(q, dim**-0.5), want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("bad", ["huge", "nan", "tiny", "norm"])
+def test_a_prompt_that_cannot_be_stored_leaves_the_cache_as_it_was(backend, bad):
+    """Prompts and continuations are checked before they are stored (decode steps are not: no host sync); a
+    failing forward pass leaves every layer's lengths as they were, and the cache keeps working."""
+    model = tiny_model(4, 2, 64)
+    model.set_attn_implementation("kvlab")
+    cache = PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=40, backend=backend)
+    model(torch.randint(3, VOCAB, (1, 9)), cache=cache)
+    before = [(layer.seq_lens.clone(), layer.length) for layer in cache.layers]
+    k = torch.randn(1, 2, 5, 64)
+    if bad == "huge":
+        k[0, 1, 3, 7] = 1e5
+    elif bad == "nan":
+        k[0, 0, 2, 0] = float("nan")
+    elif bad == "tiny":
+        k[0, 1, 1] = 1e-9
+    else:
+        k[0, 0, 4] = 9e3  # every value within fp16, the norm 102000 is not
+    layer = cache.layers[1]
+    cache.layers[0].store(torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64), None)  # the pass got this far
+    with pytest.raises(ValueError, match="key_states"):
+        layer.store(k, torch.randn(1, 2, 5, 64), None)
+    for layer, (s, n) in zip(cache.layers, before):
+        assert torch.equal(layer.seq_lens, s) and layer.length == n
+    out = model(torch.randint(3, VOCAB, (1, 4)), cache=cache)
+    assert torch.isfinite(out.logits).all() and cache.get_seq_length() == 13
+
+
+def test_update_names_bad_states():
+    cfg = tiny_model(4, 2, 64).config
+    cache = PagedKVCache(KVFormat("mse", 4), config=cfg, batch_size=1, max_length=8, backend="reference")
+    with pytest.raises(ValueError, match="key_states must be"):
+        cache.update(torch.randn(2, 1, 64), torch.randn(2, 1, 64), 0)
+    with pytest.raises(ValueError, match="layer_idx must be an int"):
+        cache.update(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), True)
+    with pytest.raises(TypeError, match="key_states"):
+        cache.update(torch.zeros(1, 2, 1, 64, dtype=torch.int64), torch.zeros(1, 2, 1, 64), 0)
+
+
+def test_checked_attention_names_a_nonfinite_query():
+    from kvlab.decode import decode_attention, prefill_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_model(4, 2, 64).config
+    cache = PagedKVCache(KVFormat("mse", 4), config=cfg, batch_size=1, max_length=32, device=device, backend="triton")
+    layer = cache.layers[0]
+    layer.store(torch.randn(1, 2, 7, 64, device=device), torch.randn(1, 2, 7, 64, device=device), None)
+    q = torch.randn(1, 4, 64, device=device).half()
+    q[0, 1, 5] = float("nan")
+    args = (cache.block_table, layer.seq_lens, cache.key_codec, cache.value_codec)
+    with pytest.raises(ValueError, match="q holds NaN or Inf"):
+        decode_attention(q, layer.cache, *args)
+    with pytest.raises(ValueError, match="q holds NaN or Inf"):
+        prefill_attention(q[:, None], layer.cache, *args)
