@@ -56,6 +56,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,25 +173,28 @@ def _convert(transformers, gguf: Path, folder: Path, stamp: dict) -> None:
 
 @contextlib.contextmanager
 def _quiet_progress(transformers):
-    """Without transformers' progress bars (loading, writing, the GGUF tensors' own bar): they go to
-    stderr, e.g. into a page. The caller's setting is put back."""
+    """Without transformers' progress bars (loading, writing, the GGUF tensors' own bar) and without
+    tqdm's warning that a Jupyter kernel lacks ipywidgets (its first import there): they go to stderr,
+    e.g. into a page. The caller's progress-bar setting is put back."""
     logging = transformers.utils.logging
     enabled = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()
-    try:
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:
-        gguf_utils = None
-    bar = getattr(gguf_utils, "tqdm", None)
-    if bar is not None:
-        gguf_utils.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        except ImportError:
+            gguf_utils = None
+        bar = getattr(gguf_utils, "tqdm", None)
         if bar is not None:
-            gguf_utils.tqdm = bar
-        if enabled:
-            logging.enable_progress_bar()
+            gguf_utils.tqdm = functools.partial(bar, disable=True)
+        try:
+            yield
+        finally:
+            if bar is not None:
+                gguf_utils.tqdm = bar
+            if enabled:
+                logging.enable_progress_bar()
 
 
 # ----------------------------------------------------------------------------- text
