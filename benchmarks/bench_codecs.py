@@ -145,7 +145,7 @@ def main():
     SWEEP = args.sweep.split(",") if args.sweep and args.sweep != "all" else bool(args.sweep)
     unit = 1 << 20
     if args.smoke:
-        DEV, unit = "cpu", 1 << 10
+        DEV, unit = "cpu", 1 << 8  # 256 vectors: the interpreter runs every program one by one
         args.no_tests = True
     else:
         assert torch.cuda.is_available(), "this benchmark needs a GPU (or --smoke)"

@@ -48,12 +48,15 @@ Perplexity
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,9 +143,10 @@ def load_model(*, folder: str | os.PathLike | None = None, device: str | torch.d
     stamp = _source_stamp(gguf, transformers.__version__)
     stamp_file = folder / "kvlab-source.json"
     fresh = not refresh and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
-    if not fresh:
-        _convert(transformers, gguf, folder, stamp)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    with _quiet_progress(transformers):
+        if not fresh:
+            _convert(transformers, gguf, folder, stamp)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model.to(device).eval(), tokenizer
 
@@ -165,6 +169,32 @@ def _convert(transformers, gguf: Path, folder: Path, stamp: dict) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(folder)
+
+
+@contextlib.contextmanager
+def _quiet_progress(transformers):
+    """Without transformers' progress bars (loading, writing, the GGUF tensors' own bar) and without
+    tqdm's warning that a Jupyter kernel lacks ipywidgets (its first import there): they go to stderr,
+    e.g. into a page. The caller's progress-bar setting is put back."""
+    logging = transformers.utils.logging
+    enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        except ImportError:
+            gguf_utils = None
+        bar = getattr(gguf_utils, "tqdm", None)
+        if bar is not None:
+            gguf_utils.tqdm = functools.partial(bar, disable=True)
+        try:
+            yield
+        finally:
+            if bar is not None:
+                gguf_utils.tqdm = bar
+            if enabled:
+                logging.enable_progress_bar()
 
 
 # ----------------------------------------------------------------------------- text

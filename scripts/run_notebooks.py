@@ -8,6 +8,10 @@ TRITON_INTERPRET=1 when torch sees no CUDA device (decided once, before any kern
 
 Notebook defaults are CPU-sized; `--full` passes `-p small False` to every notebook.
 
+`--jobs N` executes up to N notebooks at once (each in its own kernel), in the order of
+`_toc.yml`; a notebook whose parameters cell defines `executed_dir` reads the executed chapters,
+so it starts only after every other notebook has finished.
+
 A notebook fails when papermill exits non-zero (a dead kernel exits non-zero even when the
 output looks complete) or when the executed copy holds an error output. A failure names the
 notebook and the failing cell, removes that notebook's executed copy from book/executed/
@@ -76,15 +80,54 @@ def executed_names() -> list[str]:
     return names
 
 
-def check_parameters_cell(name: str, src: Path) -> None:
+def parameters_source(name: str, src: Path) -> str:
+    """The source of the cell tagged `parameters` (it must define `small`)."""
     nb = json.loads(src.read_text())
     for cell in nb.get("cells", []):
         if cell.get("cell_type") == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
             source = "".join(cell.get("source", ""))
             if re.search(r"^\s*small\s*=", source, re.M):
-                return
+                return source
             raise NotebookError(f"{name}: the cell tagged 'parameters' does not define `small`")
     raise NotebookError(f"{name}: no code cell tagged 'parameters' (it must define `small`)")
+
+
+def check_parameters_cell(name: str, src: Path) -> None:
+    parameters_source(name, src)
+
+
+def reads_executed(name: str) -> bool:
+    """Whether a notebook reads the executed chapters (its parameters cell defines `executed_dir`)."""
+    src = SOURCES / f"{name}.ipynb"
+    return src.is_file() and bool(re.search(r"^\s*executed_dir\s*=", parameters_source(name, src), re.M))
+
+
+def run_all(names: list[str], env: dict[str, str], params: list[str], jobs: int) -> None:
+    """Execute the notebooks, up to `jobs` at once; those that read the executed chapters after all others.
+    On a failure no further notebook starts; the first failure is raised once the running ones finish."""
+    first = [n for n in names if not reads_executed(n)]
+    last = [n for n in names if n not in first]
+    if jobs <= 1:
+        for name in first + last:
+            run_notebook(name, env, params)
+        return
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    errors: list[NotebookError] = []
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for batch in (first, last):
+            queue, running = list(batch), set()
+            while (queue and not errors) or running:
+                while queue and not errors and len(running) < jobs:
+                    running.add(pool.submit(run_notebook, queue.pop(0), env, params))
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    try:
+                        future.result()
+                    except NotebookError as exc:
+                        errors.append(exc)
+            if errors:
+                raise errors[0]
 
 
 def kernel_env() -> dict[str, str]:
@@ -180,6 +223,7 @@ def main() -> int:
     ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                     help="extra papermill parameter for every notebook (repeatable)")
     ap.add_argument("--no-build", action="store_true", help="execute the notebooks only")
+    ap.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="notebooks executed at once (default 1)")
     args = ap.parse_args()
 
     try:
@@ -193,10 +237,11 @@ def main() -> int:
         for key, value in args.parameter:
             params += ["-p", key, value]
         env = kernel_env()
-        log(f"{len(names)} notebook(s); TRITON_INTERPRET={env.get('TRITON_INTERPRET', '(unset)')}; "
+        log(f"{len(names)} notebook(s), {max(1, args.jobs)} at once; TRITON_INTERPRET={env.get('TRITON_INTERPRET', '(unset)')}; "
             f"parameters: {' '.join(params) or '(notebook defaults)'}")
-        for name in names:
-            run_notebook(name, env, params)
+        start = time.monotonic()
+        run_all(names, env, params, args.jobs)
+        log(f"{len(names)} notebook(s) executed in {time.monotonic() - start:.1f}s")
         if not args.no_build:
             build_book()
     except NotebookError as exc:
