@@ -62,7 +62,8 @@ When tokens are quantized
     call of n tokens returns the same values as n single-token calls would. In a model another split
     changes the float rounding of deeper layers' keys and values, which can flip a rounding decision of
     a codec. With a residual window or channel-axis keys, a call of several tokens sees the unquantized
-    part as it stands after its own write.
+    part as it stands after its own write; with ``decode_view`` on, each of its queries sees what a
+    decoding step at its position would (``kvlab.decode_view``).
 
 Backends
     ``backend="triton"`` encodes and decodes with kvlab's Triton kernels (``pack_affine``,
