@@ -122,6 +122,21 @@ def test_shared_prompt_equals_separate_runs_and_chunks_change_only_rounding(smol
     assert together["mse"].bits_per_element == 3.25
 
 
+def test_decode_view_equals_token_by_token_decoding(smol, text_ids):
+    """SmolLM2 with a 3-bit cache, the first token and the 8 most recent in fp16: 24 scored tokens in calls of
+    24 and 5 (decode view) give the NLL of feeding them one at a time; the view of each call as it stands
+    after its write does not."""
+    model, _ = smol
+    kw = dict(window=48, stride=24, max_windows=1)
+    make = lambda: KVCache(KVFormat("mse", 3), config=model.config, residual=8, sink=1)
+    step = M.perplexity(model, text_ids, cache=make, chunk=1, decode_view=False, **kw).nll
+    for chunk in (24, 5):
+        view = M.perplexity(model, text_ids, cache=make, chunk=chunk, **kw).nll
+        assert abs(view / step - 1) < 1e-4, (chunk, view, step)
+    stale = M.perplexity(model, text_ids, cache=make, decode_view=False, **kw).nll
+    assert abs(stale / step - 1) > 1e-3, (stale, step)
+
+
 def test_cache_bytes_after_a_real_forward(smol, text_ids):
     model, _ = smol
     cache = KVCache(KVFormat("mse", 4, 3, rotation="hadamard"), config=model.config, keep_first=1, keep_last=1, residual=4)
