@@ -62,7 +62,8 @@ When tokens are quantized
     call of n tokens returns the same values as n single-token calls would. In a model another split
     changes the float rounding of deeper layers' keys and values, which can flip a rounding decision of
     a codec. With a residual window or channel-axis keys, a call of several tokens sees the unquantized
-    part as it stands after its own write.
+    part as it stands after its own write; with ``decode_view`` on, each of its queries sees what a
+    decoding step at its position would (``kvlab.decode_view``).
 
 Backends
     ``backend="triton"`` encodes and decodes with kvlab's Triton kernels (``pack_affine``,
@@ -92,6 +93,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import _checks as C
 from .calibration import ChannelStats
 from .centered_reference import CenteredMSECodec
+from .decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
 from .layout import NORM_BYTES, MSESlot, packed_bytes
 from .reference import AffineCodec, MSECodec, read_slots, write_slots
 from .rotation import KINDS as ROTATIONS, MAX_DIM
@@ -445,6 +447,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.requested_backend, self.block_size = backend, block_size
         self.backend: str | None = None  # resolved at the first update
         self.length = 0
+        self.decode_view = False  # keep exact K/V for attention as decoding sees it (kvlab.decode_view)
 
     def __repr__(self) -> str:
         return f"KVCacheLayer({self.fmt.label}, tokens={self.length})"
@@ -465,6 +468,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.v_tail = value_states.new_zeros(batch, heads, 0, dim, dtype=self.dtype)
         self.k_sink, self.v_sink = self.k_tail.clone(), self.v_tail.clone()  # the first `sink` tokens
         self.k_codes = self.v_codes = self.mse = None
+        self.k_exact, self.v_exact = self.k_tail.clone(), self.v_tail.clone()  # every token, with decode_view
         fmt = self.fmt
         if fmt.codec == "affine":
             self.k_codes = _AffineStream(fmt.key_bits, fmt.group_size, fmt.key_axis, heads, dim, self.backend)
@@ -492,7 +496,11 @@ class KVCacheLayer(CacheLayerMixin):
             first = self.length == 0
             self._store(key_states, value_states)
             if first and self.prefill == "exact":
+                if self.decode_view:
+                    hand_over(self.layer_idx, None)
                 return key_states, value_states
+            if self.decode_view:
+                hand_over(self.layer_idx, self._decode_view())
             return self._read(key_states.dtype)
         except BaseException:
             self._restore(saved)
@@ -544,6 +552,9 @@ class KVCacheLayer(CacheLayerMixin):
             part.__dict__.update(fields)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.decode_view:
+            self.k_exact = torch.cat([self.k_exact, k.to(self.dtype)], 2)
+            self.v_exact = torch.cat([self.v_exact, v.to(self.dtype)], 2)
         into_sink = min(max(0, self.sink - self.length), k.shape[2])
         if into_sink and self.fmt.codec != "fp16":
             self.k_sink = torch.cat([self.k_sink, k[:, :, :into_sink].to(self.dtype)], 2)
@@ -570,6 +581,17 @@ class KVCacheLayer(CacheLayerMixin):
                 stream.write(tail[:, :, :n])
                 setattr(self, name, tail[:, :, n:].clone())
 
+    def _decode_view(self) -> DecodeView:
+        """The exact keys and values and, for K and V, the length from which decoding reads each token's code."""
+        if self.k_exact.shape[2] != self.length:
+            raise ValueError("decode_view must be set before a layer's first update")
+        quantized = self.fmt.codec != "fp16"
+        sink = self.sink if quantized else 0
+        k_unit = self.k_codes.unit if self.k_codes is not None else 1
+        return DecodeView(self.layer_idx, self.k_exact, self.v_exact,
+                          quantized_from(self.length, sink=sink, residual=self.residual, unit=k_unit, quantized=quantized),
+                          quantized_from(self.length, sink=sink, residual=self.residual, quantized=quantized))
+
     def _read(self, dtype: torch.dtype):
         if self.mse is not None:
             k_q, v_q = self.mse.read(dtype)
@@ -594,6 +616,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.is_initialized = False
         self.length = 0
         self.k_tail = self.v_tail = self.k_codes = self.v_codes = self.mse = self.k_sink = self.v_sink = None
+        self.k_exact = self.v_exact = None
 
     def _unsupported(self, what: str):
         raise NotImplementedError(f"KVCache does not support {what} (greedy decoding and sampling work)")
@@ -676,6 +699,10 @@ class KVCache(Cache):
     * ``block_size``: tokens per block of the paged MSE cache.
     * ``key_stats``: the keys' ``ChannelStats`` (``kvlab.calibration.calibrate_keys``), ``[num_layers,
       num_kv_heads, head_dim]``; required when a layer uses ``KVFormat("centered", ...)``.
+
+    ``decode_view`` (attribute, off by default; set it before the first update): every call attends as
+    token-by-token decoding would (``kvlab.decode_view``), through the attention implementation named by
+    ``attn_implementation``. ``kvlab.perplexity`` turns it on.
     """
 
     def __init__(self, fmt: KVFormat | Sequence[KVFormat] = KVFormat("fp16"), *, config=None,
@@ -740,6 +767,25 @@ class KVCache(Cache):
             for i, f in enumerate(formats)
         ]
         super().__init__(layers=layers)
+
+    @property
+    def decode_view(self) -> bool:
+        """Whether calls attend as token-by-token decoding would (``kvlab.decode_view``)."""
+        return self.layers[0].decode_view
+
+    @decode_view.setter
+    def decode_view(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"decode_view must be a bool, got {type(on).__name__}")
+        if on != self.decode_view and self.get_seq_length():
+            raise ValueError("decode_view must be set before the cache holds tokens")
+        for layer in self.layers:
+            layer.decode_view = on
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """The attention implementation a model must use with this cache (None: the model's own)."""
+        return DECODE_VIEW_ATTENTION if self.decode_view else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the new tokens of layer ``layer_idx``; return what attention uses (``KVCacheLayer.update``)."""

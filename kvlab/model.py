@@ -36,14 +36,24 @@ Perplexity
     chunk included: what a decoder reading the quantized cache computes. With a dict of caches the
     prompt pass runs once per window and its keys and values are handed to every cache.
 
-    For per-token formats a token's code depends on its own key and value only, so ``chunk`` would
-    change nothing in exact arithmetic; it changes float rounding: another split changes the matmul
+    Decode view (``decode_view=True``, the default). A cache that keeps tokens unquantized for a while
+    (a ``residual`` window, the open group of channel-axis keys) shows a decoder a different mix at
+    every step: the query at position ``i`` reads its own most recent tokens in fp16 and older ones
+    through the codec. ``KVCache`` and ``SimulatedCache`` have a ``decode_view`` mode (``kvlab.decode_view``)
+    in which every query of a call attends exactly so, whatever ``chunk`` is; ``perplexity`` turns it
+    on. Scored chunk by chunk it equals token-by-token decoding (``chunk=1``) up to float rounding
+    (tested). Caches without such a window (sink tokens only, or none) give identical results either
+    way. ``decode_view=False`` attends to the cache as it stands after each call's write: only the
+    last tokens of a call are still unquantized.
+
+    For per-token formats a token's code depends on its own key and value only, so (with the decode
+    view) ``chunk`` would change nothing in exact arithmetic; it changes float rounding: another split changes the matmul
     shapes, hence the last bits of the keys and values, and a codec can round one of them the other way. Every later layer then sees keys and values that differ by a
     quantization step, so a measured perplexity is one draw of the quantization noise (on 1024 tokens,
     4-bit affine moved by 2.4 percentage points of perplexity change between ``chunk=256`` and
-    ``chunk=64``; without a codec by less than 1e-5). With a residual window or channel-axis keys a
-    call also sees the unquantized part as it stands after its own write; ``chunk=1`` is
-    token-by-token decoding.
+    ``chunk=64``; without a codec by less than 1e-5). Without the decode view, a call with a residual
+    window or channel-axis keys sees the unquantized part as it stands after its own write; ``chunk=1``
+    is token-by-token decoding.
 """
 
 from __future__ import annotations
@@ -248,13 +258,15 @@ class _attention:
 
 
 def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256, chunk: int | None = None,
-               cache=None, max_windows: int | None = None):
+               cache=None, max_windows: int | None = None, decode_view: bool = True):
     """Sliding-window perplexity of ``ids`` (1-d token ids), every forward pass through a cache.
 
     ``cache``: a callable returning a fresh ``transformers.Cache`` for each window (default
     ``DynamicCache``, the model's own) -> one ``Perplexity``; or a dict ``{name: callable}`` -> a dict
     ``{name: Perplexity}``. ``chunk``: tokens per call for the scored part (default ``stride``: one
-    call). See the module docstring for exactly what is scored and when.
+    call). See the module docstring for exactly what is scored and when. ``decode_view``: every
+    scored query attends as token-by-token decoding would (caches with a ``decode_view`` mode:
+    ``KVCache``, ``SimulatedCache``); False: to each call's cache as it stands after its write.
 
     With a dict, the prompt pass of a window runs once for all caches whose prompt pass does not
     depend on the cache (``DynamicCache``, ``KVCache(prefill="exact")``): its keys and values are
@@ -275,6 +287,8 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
     C.check_int("chunk", chunk, minimum=1)
     if max_windows is not None:
         C.check_int("max_windows", max_windows, minimum=1)
+    if not isinstance(decode_view, bool):
+        raise TypeError(f"decode_view must be a bool, got {type(decode_view).__name__}")
     single = not isinstance(cache, dict)
     factories = {"": cache} if single else dict(cache)
     if not factories:
@@ -314,6 +328,8 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
                 if not isinstance(kv, Cache):
                     raise TypeError(f"cache must return a fresh transformers Cache for each window, got "
                                     f"{type(kv).__name__}" + (f" for {name!r}" if name else ""))
+                if hasattr(kv, "decode_view"):
+                    kv.decode_view = decode_view
             shared = [name for name, kv in caches.items() if _shares_prompt(kv)]
             if len(shared) > 1:
                 t0 = time.perf_counter()

@@ -7,7 +7,9 @@ What
     that kvlab does not store (outlier channels apart, keys quantized before RoPE) with the same
     protocol as ``kvlab.KVCache``: ``prefill="exact"`` (a layer's first call returns its inputs), later
     calls return every stored token decoded, the first ``sink`` and the most recent ``residual`` tokens
-    unquantized (fp16).
+    unquantized (fp16). With ``decode_view`` on (as ``kvlab.perplexity`` sets it) every query of a call
+    attends as a decoding step at its position would: its own ``residual`` most recent tokens in fp16
+    (``kvlab.decode_view``).
 
     A ``Part`` is ``(fn, bits_per_element)``; ``bits_per_element`` counts codes and per-token metadata
     (norms). The constructors below build the candidates:
@@ -46,6 +48,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import _checks as C
 from .calibration import ChannelStats
 from .centered_reference import CenteredMSECodec
+from .decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
 from .reference import MSECodec
 
 __all__ = ["Part", "SimulatedCache", "centered_part", "fp16_part", "mse_part", "pre_rope", "rope_tables", "split_part"]
@@ -177,10 +180,12 @@ class _SimulatedLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, key: Part, value: Part, residual: int, sink: int):
+    def __init__(self, key: Part, value: Part, residual: int, sink: int, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         self.key, self.value, self.residual, self.sink = key, value, residual, sink
         self.length = 0
+        self.decode_view = False
 
     def lazy_initialization(self, key_states, value_states):
         self.decoded = ([], [])  # per call: decoded keys, values [B, H, n, D]
@@ -235,6 +240,8 @@ class _SimulatedLayer(CacheLayerMixin):
                 y = torch.where((pos < self.sink)[:, None].to(x.device), x.half().to(x.dtype), y)
             decoded.append(y)
             exact.append(x.half().to(x.dtype))
+        if self.decode_view and self.is_initialized and len(self.exact[0]) != len(self.decoded[0]):
+            raise ValueError("decode_view must be set before a layer's first update")
         # everything computed: store it (nothing above changed the layer)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -242,8 +249,12 @@ class _SimulatedLayer(CacheLayerMixin):
         self.length += n
         for i in range(2):
             self.decoded[i].append(decoded[i])
-            if self.residual:
+            if self.residual or self.decode_view:
                 self.exact[i].append(exact[i])
+        if self.decode_view:
+            q = quantized_from(self.length, sink=self.sink, residual=self.residual)
+            hand_over(self.layer_idx, None if first else DecodeView(self.layer_idx, torch.cat(self.exact[0], 2),
+                                                                    torch.cat(self.exact[1], 2), q, q))
         if first:
             return key_states, value_states
         out = [torch.cat(d, 2) for d in self.decoded]
@@ -277,7 +288,26 @@ class SimulatedCache(Cache):
             if not isinstance(p, (list, tuple)) or len(p) != 2 or not all(isinstance(q, Part) for q in p):
                 raise TypeError(f"parts[{i}] must be a (key Part, value Part) pair, got {p!r:.80}")
         self.parts, self.residual, self.sink = list(parts), residual, sink
-        super().__init__(layers=[_SimulatedLayer(k, v, residual, sink) for k, v in self.parts])
+        super().__init__(layers=[_SimulatedLayer(k, v, residual, sink, i) for i, (k, v) in enumerate(self.parts)])
+
+    @property
+    def decode_view(self) -> bool:
+        """Whether calls attend as token-by-token decoding would (``kvlab.decode_view``); set before the first update."""
+        return self.layers[0].decode_view
+
+    @decode_view.setter
+    def decode_view(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"decode_view must be a bool, got {type(on).__name__}")
+        if on != self.decode_view and self.get_seq_length():
+            raise ValueError("decode_view must be set before the cache holds tokens")
+        for layer in self.layers:
+            layer.decode_view = on
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """The attention implementation a model must use with this cache (None: the model's own)."""
+        return DECODE_VIEW_ATTENTION if self.decode_view else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Code the new tokens of layer ``layer_idx``; return what attention uses (see the module docstring)."""

@@ -122,6 +122,26 @@ def test_shared_prompt_equals_separate_runs_and_chunks_change_only_rounding(smol
     assert together["mse"].bits_per_element == 3.25
 
 
+def test_decode_view_equals_token_by_token_decoding(smol, text_ids):
+    """SmolLM2, the first token and the 8 most recent in fp16, the rest through a codec without rounding
+    decisions: 24 scored tokens in calls of 24 and 5 (decode view) give the NLL of feeding them one at a time
+    (within the fp16 roundings of the window's tokens); the view of each call after its write does not.
+    (With a 3-bit codec a float difference flips codes: on this text a cache without any window moves by
+    5e-3 of its NLL between chunk=24 and chunk=1, so the codecs' equality is tested on a tiny model.)"""
+    from kvlab.simulated import Part, SimulatedCache
+
+    model, _ = smol
+    kw = dict(window=48, stride=24, max_windows=1)
+    smooth = Part(lambda x, pos: 0.7 * x.float() + 0.05 * torch.sin(3 * x.float()), 4.0, "smooth")
+    make = lambda: SimulatedCache([(smooth, smooth)] * model.config.num_hidden_layers, residual=8, sink=1)
+    step = M.perplexity(model, text_ids, cache=make, chunk=1, decode_view=False, **kw).nll
+    for chunk in (24, 5):
+        view = M.perplexity(model, text_ids, cache=make, chunk=chunk, **kw).nll
+        assert abs(view / step - 1) < 2e-4, (chunk, view, step)
+    stale = M.perplexity(model, text_ids, cache=make, decode_view=False, **kw).nll
+    assert abs(stale / step - 1) > 1e-2, (stale, step)
+
+
 def test_cache_bytes_after_a_real_forward(smol, text_ids):
     model, _ = smol
     cache = KVCache(KVFormat("mse", 4, 3, rotation="hadamard"), config=model.config, keep_first=1, keep_last=1, residual=4)
