@@ -1,0 +1,180 @@
+"""The transform codec's parameters: one calibrated linear transform and per-component codebooks.
+
+What
+    A layer's keys (or values) of one token, ``[heads, head_dim]``, are flattened to ``heads * head_dim``
+    numbers and split into ``groups`` consecutive vectors of ``dim`` numbers (``groups = 1``: all heads
+    jointly; ``groups = heads``: one vector per head). Group ``g`` of a token is coded as
+
+        y = (x - mean[g]) @ forward[g]                      # [dim]: the calibrated transform
+        s = rms(y) rounded to fp16 (gain=True), else 1      # the token's gain
+        code[c] = #{j : y[c] / s > boundaries[g, c, j]}      # nearest centroid of component c
+        y_hat[c] = codebooks[g, c, code[c]] * s
+        x_hat = mean[g] + y_hat @ inverse[g]
+
+    ``forward`` folds whatever the calibration chose (an importance weighting, the eigenvectors of the
+    weighted covariance); ``inverse`` undoes it. Component ``c`` of group ``g`` has ``bits[g, c]`` bits
+    (0 to 8; 0: one centroid, no bits stored) and the ``2**bits[g, c]`` ascending centroids
+    ``codebooks[g, c, :2**bits[g, c]]``.
+
+Slot layout
+    One group of one token is ``[codes | gain]``: the codes as one little-endian bit stream, component
+    ``c`` at bit ``offsets[g, c] = bits[g, 0] + ... + bits[g, c-1]``, in ``ceil(sum(bits[g]) / 8)``
+    bytes (unused high bits zero), then the gain as fp16, little-endian (2 bytes; absent with
+    ``gain=False``). A token's row is its groups' slots back to back in group order, ``row_bytes`` in
+    all; ``group_offsets[g]`` is the byte where group ``g`` starts.
+
+Bits per element
+    ``(sum(bits) + 16 * groups * gain) / (groups * dim)``: codes and gains. ``mean``, ``forward``,
+    ``inverse`` and ``codebooks`` are calibrated once per model and are not per-token storage
+    (``constants`` counts them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _checks as C
+
+__all__ = ["MAX_BITS", "TransformCodec"]
+
+MAX_BITS = 8
+GAIN_BYTES = 2
+
+
+@dataclass(frozen=True, eq=False)
+class TransformCodec:
+    """Calibrated parameters of one layer's keys or values (see the module docstring).
+
+    ``mean [groups, dim]``, ``forward [groups, dim, dim]``, ``inverse [groups, dim, dim]`` and
+    ``codebooks [groups, dim, 2**max_bits]`` are float32; ``bits [groups, dim]`` is an integer tensor
+    with values in ``[0, 8]``. Entries of ``codebooks`` past ``2**bits[g, c]`` are ignored.
+    """
+
+    mean: torch.Tensor
+    forward: torch.Tensor
+    inverse: torch.Tensor
+    bits: torch.Tensor
+    codebooks: torch.Tensor
+    gain: bool = True
+    boundaries: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        C.check_tensor("mean", self.mean, (torch.float32,))
+        if self.mean.dim() != 2 or self.mean.shape[0] < 1 or self.mean.shape[1] < 1:
+            raise ValueError(f"mean must be [groups, dim] with groups, dim >= 1, got shape {tuple(self.mean.shape)}")
+        groups, dim = self.mean.shape
+        for name in ("forward", "inverse"):
+            t = C.check_tensor(name, getattr(self, name), (torch.float32,))
+            if tuple(t.shape) != (groups, dim, dim):
+                raise ValueError(f"{name} must be [groups, dim, dim] = {[groups, dim, dim]}, got shape {tuple(t.shape)}")
+        C.check_tensor("bits", self.bits, (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64))
+        if tuple(self.bits.shape) != (groups, dim):
+            raise ValueError(f"bits must be [groups, dim] = {[groups, dim]}, got shape {tuple(self.bits.shape)}")
+        if bool((self.bits < 0).any()) or bool((self.bits > MAX_BITS).any()):
+            raise ValueError(f"bits must be in [0, {MAX_BITS}], got values from {int(self.bits.min())} to {int(self.bits.max())}")
+        C.check_tensor("codebooks", self.codebooks, (torch.float32,))
+        levels = 1 << self.max_bits
+        if self.codebooks.dim() != 3 or tuple(self.codebooks.shape[:2]) != (groups, dim) or self.codebooks.shape[2] < levels:
+            raise ValueError(f"codebooks must be [groups, dim, >= 2**max(bits)] = {[groups, dim, levels]}, "
+                             f"got shape {tuple(self.codebooks.shape)}")
+        if not isinstance(self.gain, bool):
+            raise TypeError(f"gain must be a bool, got {type(self.gain).__name__}")
+        for name in ("mean", "forward", "inverse"):
+            C.check_finite(name, getattr(self, name))
+        used = torch.arange(self.codebooks.shape[2]) < (1 << self.bits.long().cpu()).unsqueeze(-1)
+        book = self.codebooks.detach().cpu()
+        if not bool(torch.isfinite(book[used]).all()):
+            raise ValueError("codebooks holds NaN or Inf among the 2**bits centroids of a component")
+        if bool((book[..., 1:] < book[..., :-1])[used[..., 1:]].any()):
+            raise ValueError("codebooks must be ascending within the 2**bits centroids of each component")
+        # boundaries[g, c, j]: midpoint of centroids j and j + 1 for j < 2**bits - 1, +inf past them
+        mid = (self.codebooks[..., 1:levels] + self.codebooks[..., : levels - 1]) * 0.5 if levels > 1 else \
+            self.codebooks[..., :0]
+        inner = torch.arange(levels - 1, device=mid.device) < ((1 << self.bits.long()) - 1).to(mid.device).unsqueeze(-1)
+        object.__setattr__(self, "boundaries", torch.where(inner, mid, torch.full_like(mid, math.inf)).contiguous())
+        object.__setattr__(self, "codebooks", self.codebooks[..., :levels].contiguous())
+
+    # ------------------------------------------------------------------ sizes and the slot layout
+
+    @property
+    def groups(self) -> int:
+        return self.mean.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.mean.shape[1]
+
+    @property
+    def max_bits(self) -> int:
+        return int(self.bits.max())
+
+    @property
+    def device(self) -> torch.device:
+        return self.mean.device
+
+    @property
+    def group_bits(self) -> list[int]:
+        """Code bits of each group (the gain not included)."""
+        return [int(b) for b in self.bits.long().sum(1)]
+
+    @property
+    def group_bytes(self) -> list[int]:
+        return [C.cdiv(b, 8) + GAIN_BYTES * self.gain for b in self.group_bits]
+
+    @property
+    def group_offsets(self) -> list[int]:
+        out, at = [], 0
+        for b in self.group_bytes:
+            out.append(at)
+            at += b
+        return out
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(self.group_bytes)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """``[groups, dim]`` int64: the bit where component ``c`` of group ``g`` starts in its group's stream."""
+        b = self.bits.long()
+        return torch.cumsum(b, 1) - b
+
+    @property
+    def bits_per_element(self) -> float:
+        return (sum(self.group_bits) + 16 * self.groups * self.gain) / (self.groups * self.dim)
+
+    @property
+    def constants(self) -> int:
+        """Calibrated numbers the codec keeps (mean, both transforms, the used centroids)."""
+        return self.mean.numel() + self.forward.numel() + self.inverse.numel() + int((1 << self.bits.long()).sum())
+
+    def to(self, device) -> "TransformCodec":
+        return TransformCodec(self.mean.to(device), self.forward.to(device), self.inverse.to(device),
+                              self.bits.to(device), self.codebooks.to(device), self.gain)
+
+    # ------------------------------------------------------------------ saving
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean.cpu(), "forward": self.forward.cpu(), "inverse": self.inverse.cpu(),
+                "bits": self.bits.to(torch.uint8).cpu(), "codebooks": self.codebooks.cpu(), "gain": self.gain}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device="cpu") -> "TransformCodec":
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from TransformCodec.state_dict(), got {type(state).__name__}")
+        missing = {"mean", "forward", "inverse", "bits", "codebooks", "gain"} - set(state)
+        if missing:
+            raise ValueError(f"state lacks {sorted(missing)}; it must come from TransformCodec.state_dict()")
+        return cls(state["mean"].to(device), state["forward"].to(device), state["inverse"].to(device),
+                   state["bits"].to(device), state["codebooks"].to(device), bool(state["gain"]))
+
+    def save(self, path: str | os.PathLike) -> None:
+        torch.save(self.state_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device="cpu") -> "TransformCodec":
+        return cls.from_state_dict(torch.load(path, map_location="cpu", weights_only=True), device)
