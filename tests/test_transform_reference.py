@@ -98,3 +98,21 @@ def test_bad_parameters(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         TransformCodec(**args)
+
+
+def test_transform_kv_save_load(tmp_path):
+    from kvlab import RoPE
+    from kvlab.transform import TransformKV
+
+    kv = TransformKV([random_codec(1, 8, seed=s) for s in range(2)], [random_codec(2, 4, seed=s) for s in range(2)],
+                     RoPE(torch.rand(4, dtype=torch.float64)), sink=1, residual=16)
+    kv.save(tmp_path / "kv.pt")
+    back = TransformKV.load(tmp_path / "kv.pt")
+    assert back.layers == 2 and back.sink == 1 and back.residual == 16
+    assert torch.equal(back.rope.inv_freq, kv.rope.inv_freq)
+    assert torch.equal(back.values[1].forward, kv.values[1].forward)
+    assert back.bits_per_element() == kv.bits_per_element()
+    with pytest.raises(ValueError, match="one TransformCodec per layer"):
+        TransformKV(kv.keys, kv.values[:1])
+    with pytest.raises(TypeError, match="rope"):
+        TransformKV(kv.keys, kv.values, rope="yes")

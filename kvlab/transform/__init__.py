@@ -3,6 +3,6 @@
 ``codec.py`` holds its parameters and slot layout, ``reference.py`` the pure-torch oracle.
 """
 
-from .codec import TransformCodec
+from .codec import TransformCodec, TransformKV
 
-__all__ = ["TransformCodec"]
+__all__ = ["TransformCodec", "TransformKV"]

@@ -39,7 +39,7 @@ import torch
 
 from .. import _checks as C
 
-__all__ = ["MAX_BITS", "TransformCodec"]
+__all__ = ["MAX_BITS", "TransformCodec", "TransformKV"]
 
 MAX_BITS = 8
 GAIN_BYTES = 2
@@ -178,3 +178,71 @@ class TransformCodec:
     @classmethod
     def load(cls, path: str | os.PathLike, device="cpu") -> "TransformCodec":
         return cls.from_state_dict(torch.load(path, map_location="cpu", weights_only=True), device)
+
+
+@dataclass(frozen=True, eq=False)
+class TransformKV:
+    """A model's calibrated transform codecs: one ``TransformCodec`` per layer for keys and for values.
+
+    ``rope`` is ``None`` when the key codecs code keys as the cache receives them (after RoPE); a
+    ``kvlab.RoPE`` when they code keys before RoPE: the cache undoes RoPE at the token's position before
+    encoding and applies it again after decoding (``RoPE.undo`` / ``RoPE.apply``). ``sink`` and ``residual``
+    are the unquantized first and most recent tokens the calibration assumed (a cache may choose its own).
+    """
+
+    keys: tuple
+    values: tuple
+    rope: object = None
+    sink: int = 0
+    residual: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "keys", tuple(self.keys))
+        object.__setattr__(self, "values", tuple(self.values))
+        if not self.keys or len(self.keys) != len(self.values):
+            raise ValueError(f"keys and values must hold one TransformCodec per layer each, got {len(self.keys)} "
+                             f"and {len(self.values)}")
+        for name, codecs in (("keys", self.keys), ("values", self.values)):
+            for i, c in enumerate(codecs):
+                if not isinstance(c, TransformCodec):
+                    raise TypeError(f"{name}[{i}] must be a TransformCodec, got {type(c).__name__}")
+        C.check_int("sink", self.sink, minimum=0)
+        C.check_int("residual", self.residual, minimum=0)
+        if self.rope is not None:
+            from ..calibration import RoPE  # a small dataclass, no kernel
+
+            if not isinstance(self.rope, RoPE):
+                raise TypeError(f"rope must be None or a kvlab.RoPE, got {type(self.rope).__name__}")
+
+    @property
+    def layers(self) -> int:
+        return len(self.keys)
+
+    def bits_per_element(self) -> float:
+        """Codes and gains per element, averaged over layers and over K and V (sink and window not included)."""
+        per = [c.bits_per_element * c.groups * c.dim for c in (*self.keys, *self.values)]
+        return sum(per) / sum(c.groups * c.dim for c in (*self.keys, *self.values))
+
+    def constants(self) -> int:
+        return sum(c.constants for c in (*self.keys, *self.values))
+
+    def to(self, device) -> "TransformKV":
+        return TransformKV(tuple(c.to(device) for c in self.keys), tuple(c.to(device) for c in self.values),
+                           self.rope, self.sink, self.residual)
+
+    def save(self, path: str | os.PathLike) -> None:
+        torch.save({"keys": [c.state_dict() for c in self.keys], "values": [c.state_dict() for c in self.values],
+                    "rope": None if self.rope is None else {"inv_freq": self.rope.inv_freq, "scaling": self.rope.scaling},
+                    "sink": self.sink, "residual": self.residual}, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device="cpu") -> "TransformKV":
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        rope = None
+        if state["rope"] is not None:
+            from ..calibration import RoPE
+
+            rope = RoPE(state["rope"]["inv_freq"], state["rope"]["scaling"])
+        return cls(tuple(TransformCodec.from_state_dict(s, device) for s in state["keys"]),
+                   tuple(TransformCodec.from_state_dict(s, device) for s in state["values"]),
+                   rope, int(state["sink"]), int(state["residual"]))
