@@ -439,7 +439,8 @@ class GenerateOutput:
 def _next_token(logits: torch.Tensor, do_sample: bool, temperature: float, generator) -> torch.Tensor:
     if not do_sample:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, -1)
+    logits = torch.where(torch.isfinite(logits).all(-1, keepdim=True), logits.float(), 0.0)  # flagged, not sampled
+    probs = torch.softmax(logits / temperature, -1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
@@ -522,6 +523,9 @@ def _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, cache=cache, use_cache=True,
                 logits_to_keep=1)
     tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
+    # Decode steps store and read without a host sync: a non-finite logit of any step (NaN or Inf keys, values or
+    # activations, a norm beyond fp16's range) is flagged on the device and raised once, after the last step.
+    bad = ~torch.isfinite(out.logits[:, -1]).all(-1)  # [B]
     tokens[:, 0] = _next_token(out.logits[:, -1], do_sample, temperature, generator)
     next_pos = pos[:, -1:] + 1  # [B, 1]
     mask = attention_mask
@@ -529,6 +533,7 @@ def _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample
     def step(ids, position, mask):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
                        logits_to_keep=1).logits[:, -1]
+        bad.logical_or_(~torch.isfinite(logits).all(-1))
         return logits
 
     if not cuda_graph:
@@ -538,16 +543,16 @@ def _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample
             logits = step(tokens[:, i - 1 : i], next_pos, mask)
             tokens[:, i] = _next_token(logits, do_sample, temperature, generator)
             next_pos = next_pos + 1
-        return tokens
+        return _finite(tokens, bad)
     if max_new_tokens == 1:
-        return tokens
+        return _finite(tokens, bad)
     # one eager step (builds every device table), then the step captured once and replayed
     static_ids = tokens[:, :1].clone()
     static_pos = next_pos.clone()
     logits = step(static_ids, static_pos, None)
     tokens[:, 1] = _next_token(logits, do_sample, temperature, generator)
     if max_new_tokens == 2:
-        return tokens
+        return _finite(tokens, bad)
     static_ids.copy_(tokens[:, 1:2])
     static_pos += 1
     graph = torch.cuda.CUDAGraph()
@@ -565,6 +570,16 @@ def _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample
         tokens[:, i] = _next_token(static_logits, do_sample, temperature, generator)
         static_ids.copy_(tokens[:, i : i + 1])
         static_pos += 1
+    return _finite(tokens, bad)
+
+
+def _finite(tokens: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """``tokens``, once the device-side flags of every step say that all logits were finite (one host sync)."""
+    if bool(bad.any()):
+        which = bad.nonzero().flatten().tolist()
+        raise ValueError(f"generation produced NaN or Inf logits for sequence(s) {which}: a key, value or activation "
+                         "was NaN or Inf, or a key or value beyond the range the cache stores (fp16 norms and 16-bit "
+                         "parts); the tokens generated are not returned")
     return tokens
 
 

@@ -323,3 +323,29 @@ def test_checked_attention_names_a_nonfinite_query():
         decode_attention(q, layer.cache, *args)
     with pytest.raises(ValueError, match="q holds NaN or Inf"):
         prefill_attention(q[:, None], layer.cache, *args)
+
+
+@pytest.mark.parametrize("fmt,do_sample", [(KVFormat("mse", 4), False), (KVFormat("affine", 4, 4), True)],
+                         ids=["mse-greedy", "affine-sampled"])
+def test_a_nonfinite_decode_step_is_an_error(fmt, do_sample):
+    """Decode steps are stored without a host sync; a NaN key in step 3 is flagged on the device and raised at the end."""
+    model = tiny_model(4, 2, 64, layers=2)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    calls = []
+
+    def poison(module, args, out):
+        calls.append(out.shape[1])
+        if len(calls) == 4:  # the prompt, then decode steps: the third step's keys of layer 0
+            out = out.clone()
+            out[1] = float("nan")
+        return out
+
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(poison)
+    try:
+        with pytest.raises(ValueError, match=r"NaN or Inf logits for sequence\(s\) \[1\]"):
+            generate(model, ids, fmt, 8, backend="triton", do_sample=do_sample,
+                     generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    assert calls[0] == 9 and calls[3] == 1
+    assert generate(model, ids, fmt, 8, backend="reference").sequences.shape == (2, 17)  # the model is unharmed
