@@ -20,6 +20,11 @@ build, so no page with a traceback is built.
 
 After all notebooks pass, runs `jupyter-book build --all -W --keep-going .` (skip with
 --no-build).
+
+`--record FILE` writes what each notebook did (status, seconds, the failing cell) with the device, the
+versions, the date and the command, as JSON, after every notebook (so a run cut short keeps what it
+finished); with it, a failure does not stop the other notebooks (the exit code still says it).
+`--page-timeout S` stops a notebook that runs longer than S seconds (a failure: "timeout").
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -46,6 +52,53 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 class NotebookError(Exception):
     pass
+
+
+class Record:
+    """The JSON record of a run (``--record``): one entry per notebook, rewritten after each."""
+
+    def __init__(self, path: Path, env: dict[str, str], params: list[str]):
+        import datetime
+        import platform
+
+        probe = subprocess.run(
+            [sys.executable, "-c", "import json, platform, torch, triton, transformers; print(json.dumps({"
+             "'device': torch.cuda.get_device_name() if torch.cuda.is_available() else "
+             "f'{platform.processor() or platform.machine()}, {__import__(\"os\").cpu_count()} CPUs, no GPU', "
+             "'python': platform.python_version(), 'torch': torch.__version__, 'triton': triton.__version__, "
+             "'transformers': transformers.__version__}))"],
+            capture_output=True, text=True, env=env)
+        facts = json.loads(probe.stdout) if probe.returncode == 0 else {"device": "unknown"}
+        import threading
+
+        self.lock = threading.Lock()
+        self.path = path
+        self.data = {
+            "what": "one execution of the book's notebooks: each page's status and seconds",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": facts.pop("device"),
+            "versions": facts,
+            "machine": f"{platform.platform()}, {os.cpu_count()} CPUs",
+            "command": "python scripts/run_notebooks.py " + " ".join(sys.argv[1:]),
+            "parameters": " ".join(params) or "(notebook defaults)",
+            "pages": [],
+        }
+        self.write()
+
+    def add(self, name: str, status: str, seconds: float, error: str = "") -> None:
+        with self.lock:  # notebooks finish in threads (--jobs)
+            self.data["pages"].append({"page": name, "status": status, "seconds": round(seconds, 1), "error": error})
+            self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        tmp.replace(self.path)
+
+
+RECORD: Record | None = None
+PAGE_TIMEOUT: float | None = None
 
 
 def log(msg: str) -> None:
@@ -108,8 +161,16 @@ def run_all(names: list[str], env: dict[str, str], params: list[str], jobs: int)
     first = [n for n in names if not reads_executed(n)]
     last = [n for n in names if n not in first]
     if jobs <= 1:
+        errors = []
         for name in first + last:
-            run_notebook(name, env, params)
+            try:
+                run_notebook(name, env, params)
+            except NotebookError as exc:
+                if RECORD is None:
+                    raise
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         return
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
@@ -117,8 +178,9 @@ def run_all(names: list[str], env: dict[str, str], params: list[str], jobs: int)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for batch in (first, last):
             queue, running = list(batch), set()
-            while (queue and not errors) or running:
-                while queue and not errors and len(running) < jobs:
+            stop = lambda: bool(errors) and RECORD is None  # recording: the other notebooks still run
+            while (queue and not stop()) or running:
+                while queue and not stop() and len(running) < jobs:
                     running.add(pool.submit(run_notebook, queue.pop(0), env, params))
                 done, running = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -184,13 +246,22 @@ def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
            "--cwd", str(ROOT), "--kernel", "python3", "--no-progress-bar",
            "--log-level", "WARNING", *params]
     start = time.monotonic()
+    timed_out = False
     with open(logfile, "w") as fh:
-        rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=PAGE_TIMEOUT)
+        except subprocess.TimeoutExpired:  # papermill and its kernel, which runs in papermill's session
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc, timed_out = proc.wait(), True
     elapsed = time.monotonic() - start
-    nb = json.loads(tmp.read_text()) if tmp.is_file() else None
+    nb = json.loads(tmp.read_text()) if tmp.is_file() and not timed_out else None
     failed = rc != 0 or nb is None or bool(error_outputs(nb))
     if failed:
         dst.unlink(missing_ok=True)
+        if RECORD is not None:
+            RECORD.add(name, "timeout" if timed_out else "failed", elapsed,
+                       f"stopped after {PAGE_TIMEOUT:.0f} s" if timed_out else diagnose(nb))
         tail = "\n".join("      " + l for l in ANSI.sub("", logfile.read_text()).splitlines()[-15:])
         raise NotebookError(
             f"notebook {src.relative_to(ROOT)} FAILED after {elapsed:.1f}s (papermill exit code {rc})\n"
@@ -200,6 +271,8 @@ def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
         )
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(tmp, dst)
+    if RECORD is not None:
+        RECORD.add(name, "ok", elapsed)
     log(f"{src.relative_to(ROOT)} -> {dst.relative_to(ROOT)} ok ({elapsed:.1f}s)")
 
 
@@ -224,7 +297,13 @@ def main() -> int:
                     help="extra papermill parameter for every notebook (repeatable)")
     ap.add_argument("--no-build", action="store_true", help="execute the notebooks only")
     ap.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="notebooks executed at once (default 1)")
+    ap.add_argument("--record", type=Path, metavar="FILE", help="write each notebook's status and seconds as JSON")
+    ap.add_argument("--page-timeout", type=float, metavar="S", help="stop a notebook after S seconds")
     args = ap.parse_args()
+    global RECORD, PAGE_TIMEOUT
+    if args.page_timeout is not None and not args.page_timeout > 0:
+        ap.error(f"--page-timeout must be a positive number of seconds, got {args.page_timeout}")
+    PAGE_TIMEOUT = args.page_timeout
 
     try:
         names = executed_names()
@@ -237,6 +316,8 @@ def main() -> int:
         for key, value in args.parameter:
             params += ["-p", key, value]
         env = kernel_env()
+        if args.record is not None:
+            RECORD = Record(args.record.resolve(), env, params)
         log(f"{len(names)} notebook(s), {max(1, args.jobs)} at once; TRITON_INTERPRET={env.get('TRITON_INTERPRET', '(unset)')}; "
             f"parameters: {' '.join(params) or '(notebook defaults)'}")
         start = time.monotonic()
