@@ -51,7 +51,8 @@ from .centered_reference import CenteredMSECodec
 from .decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
 from .reference import MSECodec
 
-__all__ = ["Part", "SimulatedCache", "centered_part", "fp16_part", "mse_part", "pre_rope", "rope_tables", "split_part"]
+__all__ = ["Part", "SimulatedCache", "centered_part", "fp16_part", "mse_part", "pre_rope", "rope_tables", "split_part",
+           "transform_part"]
 
 NORM_BITS = 16
 
@@ -325,3 +326,20 @@ class SimulatedCache(Cache):
             held += (total - r) * (k.bits_per_element + v.bits_per_element) + 2 * r * 16
             elements += 2 * total
         return held / elements if elements else float("nan")
+
+
+def transform_part(codec, rope_tables: Callable | None = None) -> Part:
+    """``kvlab.transform.TransformCodec`` of one layer's keys or values (the layer's heads flattened, then split
+    into the codec's groups); with ``rope_tables`` (``rope_tables(model)``) the keys are coded before RoPE."""
+    from .transform import reference as TR
+
+    def fn(x, pos):
+        b, heads, n, dim = x.shape
+        rows = x.transpose(1, 2).reshape(b, n, heads * dim)
+        y = TR.transform(codec, rows)
+        TR.check_gains(codec, y, "x")
+        out = TR.untransform(codec, TR.dequantize(codec, *TR.quantize(codec, y)))
+        return out.reshape(b, n, heads, dim).transpose(1, 2)
+
+    part = Part(fn, codec.bits_per_element, f"transform {codec.bits_per_element:.2f}b")
+    return part if rope_tables is None else pre_rope(part, rope_tables)

@@ -15,7 +15,7 @@ import torch
 
 from .codec import TransformCodec
 
-__all__ = ["decode", "dequantize", "encode", "pack", "quantize", "read_rows", "transform", "unpack", "untransform",
+__all__ = ["check_gains", "decode", "dequantize", "encode", "pack", "quantize", "read_rows", "transform", "unpack", "untransform",
            "write_rows"]
 
 
@@ -112,3 +112,16 @@ def write_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tens
 def read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The rows at ``slots`` (any shape) of a paged cache: ``[*slots.shape, row_bytes]``."""
     return cache.view(-1, cache.shape[-1])[slots.long()]
+
+
+def check_gains(codec: TransformCodec, y: torch.Tensor, name: str = "x") -> None:
+    """The gains of ``y`` must be finite fp16 numbers, and a nonzero group's gain nonzero (both ends alike)."""
+    if not codec.gain:
+        return
+    rms = (y.double().square().sum(-1) / codec.dim).sqrt()
+    g = rms.to(torch.float16)
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError(f"{name} has a group whose gain (the RMS of its transformed values, {float(rms.max()):.4g}) "
+                         "exceeds fp16's 65504")
+    if bool(((rms > 0) & (g.float() < 6.103515625e-05)).any()):
+        raise ValueError(f"{name} has a nonzero group whose gain is below fp16's smallest normal number 6.1e-05")

