@@ -25,6 +25,12 @@ What
       ``"mse"``. The cache needs the keys' ``kvlab.calibration.ChannelStats`` (``KVCache(...,
       key_stats=kvlab.calibration.calibrate_keys(model, ids))``, measured on text disjoint from what is evaluated).
 
+    * ``KVFormat("transform")``: ``kvlab.transform`` — per layer a calibrated linear transform of the heads'
+      keys (before RoPE when calibrated so) and of their values, a per-token gain and per-component codebooks
+      with bits allocated by distortion; the cache needs the calibrated codecs (``KVCache(...,
+      transform=kvlab.transform.calibration.calibrate(model, ids))``, on text disjoint from what is evaluated).
+      Keys and values in two paged caches of rows ``[num_blocks, block_size, row_bytes]``.
+
     ``KVCache`` options: one format for every layer or a list with one per layer; ``keep_first`` /
     ``keep_last`` boundary layers left unquantized; a ``residual`` window of the most recent tokens
     left unquantized (KIVI); the first ``sink`` tokens of every sequence left unquantized (the
@@ -100,7 +106,7 @@ from .rotation import KINDS as ROTATIONS, MAX_DIM
 
 __all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
 
-CODECS = ("fp16", "affine", "mse", "centered")
+CODECS = ("fp16", "affine", "mse", "centered", "transform")
 MSE_CODECS = ("mse", "centered")  # the paged MSE slot
 AFFINE_BITS = (2, 3, 4, 8)
 MSE_BITS = (2, 3, 4)
@@ -155,7 +161,14 @@ class KVFormat:
             raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
         C.check_choice("rotation", rotation, ROTATIONS)
         C.check_int("seed", seed)
-        if codec == "fp16":
+        if codec == "transform":  # the bits are the calibrated codecs' (KVCache(transform=...))
+            for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+                if bits is not None:
+                    raise ValueError(f"{name} must be None for codec='transform' (the calibrated codecs set the bits), "
+                                     f"got {bits!r}")
+            if key_axis != "token":
+                raise ValueError("key_axis='channel' needs codec='affine'")
+        elif codec == "fp16":
             for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
                 if bits not in (None, 16):
                     raise ValueError(f"{name} must be None or 16 for codec='fp16', got {bits!r}")
@@ -198,6 +211,9 @@ class KVFormat:
     def _part_bits(self, bits, head_dim: int, channel: bool) -> float:
         if self.codec == "fp16":
             return 16.0
+        if self.codec == "transform":
+            raise ValueError("the bits of KVFormat('transform') are those of its calibrated codecs: "
+                             "KVCache(..., transform=...).bits_per_element or TransformKV.bits_per_element()")
         if self.codec in MSE_CODECS:
             return 8.0 * (packed_bytes(head_dim, bits) + NORM_BYTES) / head_dim
         g = self.group_size
@@ -221,8 +237,8 @@ class KVFormat:
     @property
     def label(self) -> str:
         """A short name, e.g. ``affine k4v4``, ``affine k2v2 channel-keys``, ``mse k4v3 hadamard``."""
-        if self.codec == "fp16":
-            return "fp16"
+        if self.codec in ("fp16", "transform"):
+            return self.codec
 
         def b(bits):
             return "[" + ",".join(map(str, bits)) + "]" if isinstance(bits, tuple) else str(bits)
@@ -236,8 +252,8 @@ class KVFormat:
         return text
 
     def __repr__(self) -> str:
-        if self.codec == "fp16":
-            return "KVFormat('fp16')"
+        if self.codec in ("fp16", "transform"):
+            return f"KVFormat({self.codec!r})"
         extra = f", key_axis={self.key_axis!r}" if self.key_axis != "token" else ""
         if self.codec in MSE_CODECS:
             extra += f", rotation={self.rotation!r}" + (f", seed={self.seed}" if self.seed else "")
@@ -422,6 +438,83 @@ class _MSEStore:
         return self.cache.numel()
 
 
+class _TransformStore(_MSEStore):
+    """Keys and values of one layer in two paged caches of transform-codec rows ``[num_blocks, block_size,
+    row_bytes]`` (``kvlab.transform``); keys coded before RoPE when ``rope`` is set (undone at each token's
+    position before encoding, applied again after decoding)."""
+
+    def __init__(self, key_codec, value_codec, rope, num_heads: int, head_dim: int, block_size: int, batch: int,
+                 device, backend: str):
+        self.key_codec, self.value_codec, self.rope = key_codec.to(device), value_codec.to(device), rope
+        self.first_position = 0
+        self.num_heads, self.head_dim, self.block_size, self.backend = num_heads, head_dim, block_size, backend
+        self.k_cache = torch.zeros(0, block_size, key_codec.row_bytes, dtype=torch.uint8, device=device)
+        self.v_cache = torch.zeros(0, block_size, value_codec.row_bytes, dtype=torch.uint8, device=device)
+        self.cache = self.k_cache  # blocks are counted on the key cache
+        self.block_table: list[list[int]] = [[] for _ in range(batch)]
+        self.tokens = 0
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        from .transform import reference as TR, triton as TK
+
+        batch, heads, n, dim = k.shape
+        stop = self.tokens + n
+        rows_k = k.transpose(1, 2).reshape(batch * n, heads, dim)
+        if self.rope is not None:
+            pos = self._positions(self.tokens, stop)[:, None]
+            rows_k = self.rope.undo(rows_k, pos).to(k.device, torch.float32)
+        rows_v = v.transpose(1, 2).reshape(batch * n, heads * dim)
+        ys = [TR.transform(self.key_codec, rows_k.reshape(batch * n, heads * dim)),
+              TR.transform(self.value_codec, rows_v)]
+        for name, codec, y in (("key_states", self.key_codec, ys[0]), ("value_states", self.value_codec, ys[1])):
+            TR.check_gains(codec, y, name)  # both checked before anything is written
+        need = -(-stop // self.block_size)
+        grow = sum(max(0, need - len(t)) for t in self.block_table)
+        if grow:
+            first = self.k_cache.shape[0]
+            self.k_cache = torch.cat([self.k_cache, self.k_cache.new_zeros(grow, *self.k_cache.shape[1:])], 0)
+            self.v_cache = torch.cat([self.v_cache, self.v_cache.new_zeros(grow, *self.v_cache.shape[1:])], 0)
+            self.cache = self.k_cache
+            ids = iter(range(first, first + grow))
+            for t in self.block_table:
+                t.extend(next(ids) for _ in range(need - len(t)))
+        slots = self._slots(self.tokens, stop)
+        for codec, cache, y in ((self.key_codec, self.k_cache, ys[0]), (self.value_codec, self.v_cache, ys[1])):
+            flat = cache.view(-1, codec.row_bytes)
+            if self.backend == "triton":
+                TK.pack_rows(*TK.quantize_rows(y.contiguous(), codec), codec, flat, slots)
+            else:
+                TR.write_rows(flat, slots, TR.pack(codec, *TR.quantize(codec, y)))
+        self.tokens = stop
+
+    def read(self, dtype: torch.dtype):
+        from .transform import reference as TR, triton as TK
+
+        if self.tokens == 0:
+            return None, None
+        batch, n = len(self.block_table), self.tokens
+        slots = self._slots(0, n)
+        out = []
+        for codec, cache in ((self.key_codec, self.k_cache), (self.value_codec, self.v_cache)):
+            flat = cache.view(-1, codec.row_bytes)
+            if self.backend == "triton":
+                y_hat = TK.load_rows(flat, codec, slots)
+            else:
+                y_hat = TR.dequantize(codec, *TR.unpack(codec, TR.read_rows(flat, slots)))
+            out.append(TR.untransform(codec, y_hat).reshape(batch * n, self.num_heads, self.head_dim))
+        k, v = out
+        if self.rope is not None:
+            k = self.rope.apply(k, self._positions(0, n)[:, None]).to(v.device, torch.float32)
+        shape = (batch, n, self.num_heads, self.head_dim)
+        return k.to(dtype).reshape(shape).transpose(1, 2), v.to(dtype).reshape(shape).transpose(1, 2)
+
+    def nbytes(self) -> int:
+        return len(self.block_table) * self.tokens * (self.key_codec.row_bytes + self.value_codec.row_bytes)
+
+    def allocated_nbytes(self) -> int:
+        return self.k_cache.numel() + self.v_cache.numel()
+
+
 def _cat(parts, dim: int):
     parts = [p for p in parts if p is not None and p.shape[dim] > 0]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
@@ -439,8 +532,9 @@ class KVCacheLayer(CacheLayerMixin):
 
     def __init__(self, fmt: KVFormat, *, num_heads: int, head_dim: int, residual: int, prefill: str,
                  dtype: torch.dtype | None, backend: str, block_size: int,
-                 key_stats: ChannelStats | None = None, layer_idx: int = 0, sink: int = 0):
+                 key_stats: ChannelStats | None = None, layer_idx: int = 0, sink: int = 0, transform=None):
         super().__init__()
+        self.transform = transform
         self.fmt, self.num_heads, self.head_dim = fmt, num_heads, head_dim
         self.key_stats, self.layer_idx, self.sink = key_stats, layer_idx, sink
         self.residual, self.prefill, self.store_dtype = residual, prefill, dtype
@@ -473,6 +567,10 @@ class KVCacheLayer(CacheLayerMixin):
         if fmt.codec == "affine":
             self.k_codes = _AffineStream(fmt.key_bits, fmt.group_size, fmt.key_axis, heads, dim, self.backend)
             self.v_codes = _AffineStream(fmt.value_bits, fmt.group_size, "token", heads, dim, self.backend)
+        elif fmt.codec == "transform":
+            t = self.transform
+            self.mse = _TransformStore(t.keys[self.layer_idx], t.values[self.layer_idx], t.rope, heads, dim,
+                                       self.block_size, batch, self.device, self.backend)
         elif fmt.codec in MSE_CODECS:
             if fmt.codec == "centered":
                 key_codec = _centered_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed, self.key_stats, self.layer_idx)
@@ -539,7 +637,7 @@ class KVCacheLayer(CacheLayerMixin):
         parts = {name: dict(part.__dict__) for name in ("k_codes", "v_codes", "mse")
                  if (part := self.__dict__.get(name)) is not None}
         if "mse" in parts:
-            parts["mse"]["block_table"] = [list(t) for t in self.mse.block_table]
+            parts["mse"]["block_table"] = [list(t) for t in self.mse.block_table]  # the transform store's too
         return dict(self.__dict__), parts
 
     def _restore(self, saved) -> None:
@@ -709,7 +807,7 @@ class KVCache(Cache):
                  num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
                  keep_first: int = 0, keep_last: int = 0, residual: int = 0, sink: int = 0, prefill: str = "exact",
                  dtype: torch.dtype | None = torch.float16, backend: str = "auto", block_size: int = 16,
-                 key_stats: ChannelStats | None = None):
+                 key_stats: ChannelStats | None = None, transform=None):
         if config is not None:
             if num_layers is not None or num_kv_heads is not None or head_dim is not None:
                 raise ValueError("pass either config or num_layers, num_kv_heads and head_dim, not both")
@@ -756,6 +854,25 @@ class KVCache(Cache):
             raise ValueError("KVFormat('centered', ...) needs the keys' channel statistics: "
                              "KVCache(..., key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
 
+        if transform is not None:
+            from .transform import TransformKV
+
+            if not isinstance(transform, TransformKV):
+                raise TypeError(f"transform must be a kvlab.transform.TransformKV (kvlab.transform.calibration.calibrate), "
+                                f"got {type(transform).__name__}")
+            if transform.layers != num_layers:
+                raise ValueError(f"transform has codecs for {transform.layers} layers, the model has {num_layers}")
+            for part, codecs in (("keys", transform.keys), ("values", transform.values)):
+                for i, c in enumerate(codecs):
+                    if c.groups * c.dim != num_kv_heads * head_dim:
+                        raise ValueError(f"transform.{part}[{i}] codes {c.groups} x {c.dim} numbers per token, the "
+                                         f"model's layer holds {num_kv_heads} x {head_dim}")
+            if transform.rope is not None and transform.rope.dim != head_dim:
+                raise ValueError(f"transform.rope rotates {transform.rope.dim} channels, the model's heads have {head_dim}")
+        elif any(f.codec == "transform" for f in formats):
+            raise ValueError("KVFormat('transform') needs the calibrated codecs: "
+                             "KVCache(..., transform=kvlab.transform.calibration.calibrate(model, calibration_ids))")
+        self.transform = transform
         self.formats = formats
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.keep_first, self.keep_last, self.residual, self.sink = keep_first, keep_last, residual, sink
@@ -763,7 +880,7 @@ class KVCache(Cache):
         layers = [
             KVCacheLayer(f, num_heads=num_kv_heads, head_dim=head_dim, residual=residual, prefill=prefill,
                          dtype=dtype, backend=backend, block_size=block_size, key_stats=key_stats, layer_idx=i,
-                         sink=sink)
+                         sink=sink, transform=transform)
             for i, f in enumerate(formats)
         ]
         super().__init__(layers=layers)
@@ -806,7 +923,12 @@ class KVCache(Cache):
         Unquantized layers count 16 bits. The sink tokens, the residual window and an open key group are not included:
         ``nbytes()`` counts them at the size of ``dtype``.
         """
-        return sum(f.bits_per_element(self.head_dim) for f in self.formats) / len(self.formats)
+        def bits(i, f):
+            if f.codec != "transform":
+                return f.bits_per_element(self.head_dim)
+            return 0.5 * (self.transform.keys[i].bits_per_element + self.transform.values[i].bits_per_element)
+
+        return sum(bits(i, f) for i, f in enumerate(self.formats)) / len(self.formats)
 
     @property
     def backend(self) -> list[str | None]:

@@ -122,3 +122,50 @@ def test_a_gain_beyond_fp16_is_an_error(tiny):
     part = transform_part(kv.values[0])
     with pytest.raises(ValueError, match="65504"):
         part.fn(torch.full((1, 2, 3, 16), 1e8), torch.arange(3))
+
+
+@pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
+def test_kvcache_transform_equals_the_simulated_cache(tiny, keys):
+    """KVCache(KVFormat("transform")) holds the codes the simulated cache decodes: the same perplexity; the Triton
+    kernels write the same bytes as the reference; nbytes counts rows, sink and window exactly."""
+    from kvlab.cache import KVCache, KVFormat
+
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=3.0, keys=keys, window=128, captured=data, sink=1, residual=4,
+                       context=48)
+    tables = rope_tables(model) if keys == "pre_rope" else None
+    parts = [(transform_part(k, tables), transform_part(v)) for k, v in zip(kv.keys, kv.values)]
+    text = ids[384:432]
+    sim = M.perplexity(model, text, window=48, stride=24, cache=lambda: SimulatedCache(parts, residual=4, sink=1))
+    make = lambda backend: (lambda: KVCache(KVFormat("transform"), config=model.config, transform=kv, residual=4,
+                                            sink=1, dtype=torch.float32, backend=backend, block_size=16))
+    ref = M.perplexity(model, text, window=48, stride=24, cache=make("reference"))
+    assert math.isclose(ref.nll, sim.nll, rel_tol=2e-4)
+    cache = {}
+    for backend in ("reference", "triton"):
+        c = make(backend)()
+        model(text[None, :30], cache=c)
+        model(text[None, 30:33], cache=c)
+        cache[backend] = c
+    a, b = cache["reference"].layers[1].mse, cache["triton"].layers[1].mse
+    assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
+    layer = cache["triton"].layers[0]
+    rows = kv.keys[0].row_bytes + kv.values[0].row_bytes
+    assert layer.nbytes() == (33 - 5) * rows + 5 * 2 * 2 * 16 * 4  # 28 tokens as rows, sink + window in fp32
+    assert cache["triton"].bits_per_element == kv.bits_per_element()
+
+
+def test_kvcache_transform_needs_its_codecs(tiny):
+    from kvlab.cache import KVCache, KVFormat
+
+    model, ids, data = tiny
+    with pytest.raises(ValueError, match="needs the calibrated codecs"):
+        KVCache(KVFormat("transform"), config=model.config)
+    kv = CAL.calibrate(model, ids[:384], bits=3.0, window=128, captured=data)
+    one = TransformKV(kv.keys[:1], kv.values[:1], kv.rope)
+    with pytest.raises(ValueError, match="codecs for 1 layers"):
+        KVCache(KVFormat("transform"), config=model.config, transform=one)
+    with pytest.raises(TypeError, match="transform must be"):
+        KVCache(KVFormat("transform"), config=model.config, transform=kv.keys)
+    with pytest.raises(ValueError, match="must be None for codec='transform'"):
+        KVFormat("transform", 3)

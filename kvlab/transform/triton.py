@@ -102,7 +102,7 @@ def _quantize_kernel(
         b_g = tl.sqrt(tl.sum(b_y64 * b_y64, axis=1) / D).to(tl.float16)  # [BT]
     else:
         b_g = tl.full([BT], 1.0, tl.float16)
-    b_gf = b_g.to(tl.float32)[:, None]
+    b_gf = tl.where(m_t, b_g.to(tl.float32), 1.0)[:, None]  # tokens past T: any finite gain
     # binary search: the number of boundaries below y / gain, as y > boundary * gain
     b_pos = tl.zeros([BT, BD], dtype=tl.int32)
     p_b = bounds_ptr + (i_g * D + o_d[None, :]) * NBND
