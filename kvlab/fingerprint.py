@@ -17,7 +17,7 @@ from .calibration import RoPE
 from .centered_reference import CenteredMSECodec
 from .reference import AffineCodec, MSECodec
 
-__all__ = ["codec_fingerprint"]
+__all__ = ["codec_fingerprint", "transform_fingerprint"]
 
 
 def _vectors(tokens: int = 64, heads: int = 3, dim: int = 64) -> torch.Tensor:
@@ -49,4 +49,25 @@ def codec_fingerprint() -> str:
     for bits in (2, 3, 4, 8):
         add(f"affine token {bits}", AffineCodec(bits, 32, "token").encode(x.transpose(0, 1)))
         add(f"affine channel {bits}", AffineCodec(bits, 32, "channel").encode(x.transpose(0, 1)))
+    return h.hexdigest()[:16]
+
+
+def transform_fingerprint() -> str:
+    """SHA-256 (hex, 16 characters) of the codes of a transform codec calibrated on fixed synthetic vectors
+    (``kvlab.transform.calibration``: weighting, KLT, codebooks, greedy and uniform bits) and of its encoding."""
+    from .transform import reference as TR
+    from .transform.calibration import assemble, fit_curves
+
+    g = torch.Generator().manual_seed(20261204)
+    x = _vectors(512, 2, 16) @ torch.randn(16, 16, generator=g)  # correlated channels
+    a = torch.randn(2, 16, 16, generator=g, dtype=torch.float64)
+    weight = a @ a.transpose(1, 2) / 16 + torch.eye(16, dtype=torch.float64)
+    h = hashlib.sha256()
+    for groups in (1, 2):
+        fits = fit_curves(x, weight, groups=groups)
+        for allocation in ("greedy", "uniform"):
+            codec = assemble(fits, 3 * 32 // groups, allocation=allocation)
+            h.update(f"transform {groups} {allocation}".encode())
+            h.update(codec.bits.numpy().tobytes())
+            h.update(TR.encode(codec, x.reshape(512, 32)).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab import KVCache, KVFormat  # noqa: E402
+from kvlab.fingerprint import transform_fingerprint  # noqa: E402
 from kvlab.simulated import SimulatedCache, rope_tables, transform_part  # noqa: E402
 from kvlab.transform.calibration import calibrate, capture  # noqa: E402
 from measure_formats import EVAL_TOKENS, STRIDE, WINDOW, idle_manual  # noqa: E402
@@ -144,6 +145,7 @@ def main() -> int:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "triton": triton.__version__},
         "command": "python scripts/measure_transform.py" + "".join(f" {a!r}" if " " in a else f" {a}" for a in sys.argv[1:]),
+        "codec_fingerprint": transform_fingerprint(),
         "model": kvlab.model.MODEL_NAME + " (" + kvlab.model.GGUF_FILE + ", dequantized to fp32)",
         "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE,
         "texts": {"pydoc": f"pydoc topics, tokens 0-{EVAL_TOKENS}", "idle": f"IDLE's manual, tokens 0-{EVAL_TOKENS}",

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.fingerprint import codec_fingerprint
+from kvlab.fingerprint import codec_fingerprint, transform_fingerprint
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 # results a page compares its live measurements with: they must carry the fingerprint of the codecs they used
@@ -23,3 +23,11 @@ def test_committed_results_match_the_codecs(name):
 
 def test_fingerprint_is_stable():
     assert codec_fingerprint() == codec_fingerprint()
+
+
+def test_transform_results_match_the_codec():
+    """results/transform_codec.json was measured with the transform codec's calibration and encoding as they are."""
+    data = json.loads((RESULTS / "transform_codec.json").read_text())
+    assert data["codec_fingerprint"] == transform_fingerprint(), (
+        "results/transform_codec.json was measured with another calibration or encoding of the transform codec: "
+        "measure it again (its 'command' field says how)")

@@ -125,3 +125,45 @@ def check_gains(codec: TransformCodec, y: torch.Tensor, name: str = "x") -> None
                          "exceeds fp16's 65504")
     if bool(((rms > 0) & (g.float() < 6.103515625e-05)).any()):
         raise ValueError(f"{name} has a nonzero group whose gain is below fp16's smallest normal number 6.1e-05")
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float = 1.0):
+    """``(cos, sin)`` float32 ``[*positions.shape, 2 * len(inv_freq)]`` (rotate-half convention, computed in fp64)."""
+    angle = positions.double()[..., None] * inv_freq.double().to(positions.device)
+    angle = torch.cat([angle, angle], -1)
+    return (scaling * angle.cos()).float(), (scaling * angle.sin()).float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, key_codec: TransformCodec, value_codec: TransformCodec, *,
+                     scale: float, rope=None, first_position: int = 0) -> torch.Tensor:
+    """One decode step over paged transform-codec caches: ``q [B, Hq, D]`` -> ``[B, Hq, D]`` float32.
+
+    Token ``t`` of sequence ``b`` is row ``block_table[b, t // block_size] * block_size + t % block_size`` of
+    ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, row_bytes]``), at position ``first_position + t``;
+    ``seq_lens[b]`` tokens are read. ``rope`` (a ``kvlab.RoPE``): the keys were coded before RoPE, which is
+    applied to the decoded keys at their positions. Query head ``j`` reads KV head ``j // (Hq // H)``."""
+    batch, q_heads, dim = q.shape
+    block_size = k_cache.shape[1]
+    out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        t = torch.arange(n, device=q.device)
+        slots = block_table[b, t // block_size].long() * block_size + t % block_size
+        k = decode(key_codec, read_rows(k_cache.view(-1, k_cache.shape[-1]), slots))  # [n, H * D]
+        v = decode(value_codec, read_rows(v_cache.view(-1, v_cache.shape[-1]), slots))
+        heads = k.shape[-1] // dim
+        k, v = k.view(n, heads, dim), v.view(n, heads, dim)
+        if rope is not None:
+            cos, sin = rope_tables(rope.inv_freq, t + first_position, rope.scaling)
+            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        group = q_heads // heads
+        kh, vh = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, Hq, D]
+        s = torch.einsum("hd,nhd->hn", q[b].float(), kh) * scale
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vh)
+    return out
