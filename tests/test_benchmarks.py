@@ -72,3 +72,12 @@ def test_ncu_load_summary_reads_the_committed_run(tmp_path):
     subprocess.run([sys.executable, "benchmarks/ncu_load.py", "--summarise", "results/codec_load_ncu.csv.gz", "--out", str(out),
                     "--run-from", "results/codec_load_ncu.json"], cwd=ROOT, check=True, capture_output=True, timeout=300)
     assert json.loads(out.read_text()) == json.loads((ROOT / "results" / "codec_load_ncu.json").read_text())
+
+
+@CPU_ONLY
+def test_bench_transform_smoke():
+    """bench_transform.py --smoke: the transform decode against its reference at tiny shapes, both key modes."""
+    proc = subprocess.run([sys.executable, "benchmarks/bench_transform.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "relative error" in proc.stdout

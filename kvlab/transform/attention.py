@@ -104,7 +104,7 @@ def _transform_decode_kernel(
     KROW, VROW, MAX_BLOCKS, NSPLIT, SPLIT, W, scale,
     # settings
     H: tl.constexpr, D: tl.constexpr, HQP: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, PAGE: tl.constexpr,
-    PRE_ROPE: tl.constexpr, KGAIN: tl.constexpr, VGAIN: tl.constexpr, STEPS: tl.constexpr,
+    PRE_ROPE: tl.constexpr, KGAIN: tl.constexpr, VGAIN: tl.constexpr, STEPS: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
     i_b, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_w = tl.arange(0, WP)
@@ -126,22 +126,34 @@ def _transform_decode_kernel(
         m_t = o_t < stop
         b_blk = tl.load(table_ptr + i_b * MAX_BLOCKS + o_t // PAGE, mask=m_t, other=0).to(tl.int64)
         b_slot = b_blk * PAGE + o_t % PAGE
-        b_yk = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr,
-                            kbooks_ptr, o_w, m_w, KGAIN).to(tl.float16)  # [BT, WP]
         if PRE_ROPE:
             b_cos = tl.load(cos_ptr + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None], other=0.0)  # [BT, D]
             b_sin = tl.load(sin_ptr + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None], other=0.0)
             b_s = tl.zeros([HQP, BT], tl.float32)
+            if not PER_HEAD:
+                b_yk = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr,
+                                    kbooks_ptr, o_w, m_w, KGAIN).to(tl.float16)  # [BT, WP]
             for h in tl.static_range(H):
-                b_inv = tl.load(inv_ptr + (h * WP + o_w[:, None]) * D + o_d[None, :])  # [WP, D] fp16
-                b_invr = tl.load(invr_ptr + (h * WP + o_w[:, None]) * D + o_d[None, :])
-                b_k = tl.dot(b_yk, b_inv) + tl.load(mean_ptr + h * D + o_d)[None, :]  # [BT, D]
-                b_kr = tl.dot(b_yk, b_invr) + tl.load(meanr_ptr + h * D + o_d)[None, :]
+                if PER_HEAD:  # a transform per head: only the head's own components decode its keys
+                    o_wh = h * D + o_d
+                    b_yh = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr,
+                                        kbook_ptr, kbooks_ptr, o_wh, o_wh < W, KGAIN).to(tl.float16)  # [BT, D]
+                    b_inv = tl.load(inv_ptr + (h * WP + o_wh[:, None]) * D + o_d[None, :])  # [D, D] fp16
+                    b_invr = tl.load(invr_ptr + (h * WP + o_wh[:, None]) * D + o_d[None, :])
+                    b_k = tl.dot(b_yh, b_inv) + tl.load(mean_ptr + h * D + o_d)[None, :]  # [BT, D]
+                    b_kr = tl.dot(b_yh, b_invr) + tl.load(meanr_ptr + h * D + o_d)[None, :]
+                else:
+                    b_inv = tl.load(inv_ptr + (h * WP + o_w[:, None]) * D + o_d[None, :])  # [WP, D] fp16
+                    b_invr = tl.load(invr_ptr + (h * WP + o_w[:, None]) * D + o_d[None, :])
+                    b_k = tl.dot(b_yk, b_inv) + tl.load(mean_ptr + h * D + o_d)[None, :]  # [BT, D]
+                    b_kr = tl.dot(b_yk, b_invr) + tl.load(meanr_ptr + h * D + o_d)[None, :]
                 b_k = b_k * b_cos + b_kr * b_sin  # RoPE at the tokens' positions
                 b_q = tl.load(qpad_ptr + ((i_b * H + h) * HQP + o_q[:, None]) * D + o_d[None, :])  # [HQP, D] fp16
                 b_s += tl.dot(b_q, tl.trans(b_k.to(tl.float16)))
             b_s = b_s * scale
         else:
+            b_yk = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr,
+                                kbooks_ptr, o_w, m_w, KGAIN).to(tl.float16)  # [BT, WP]
             b_s = tl.dot(b_qt, tl.trans(b_yk)) + b_qm[:, None]  # [HQP, BT], scale folded in
         b_s = tl.where(m_t[None, :], b_s, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_s, 1))
@@ -233,7 +245,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qt, qm, qpad, inv_h, invr_h, mean_h, meanr_h, cos, sin, acc, m, lsum,
         key_codec.row_bytes, value_codec.row_bytes, block_table.shape[1], splits, split_len, width, float(scale),
         H=heads, D=dim, HQP=hqp, WP=wp, BT=BLOCK_TOKENS, PAGE=page, PRE_ROPE=rope is not None,
-        KGAIN=key_codec.gain, VGAIN=value_codec.gain, STEPS=split_len // BLOCK_TOKENS)
+        KGAIN=key_codec.gain, VGAIN=value_codec.gain, STEPS=split_len // BLOCK_TOKENS,
+        PER_HEAD=key_codec.groups == heads and max(MIN_DOT, dim) == dim, num_warps=8 if wp >= 512 else 4)
     # combine the splits, then map the accumulated transformed values back once
     top = m.amax(1, keepdim=True)
     w = torch.where(torch.isfinite(m), torch.exp(m - top), torch.zeros_like(m))  # [B, S, HQP]
