@@ -6,12 +6,11 @@ refuses to time if that fails), then times one decode step at batch 8 and contex
 
 * SmolLM2-135M's layer: 3 KV heads, 9 query heads, head dimension 64, one joint transform over the heads
   (192 numbers per token), as calibrated on the page "A transform codec at three and a half bits";
-* a Llama-3-8B layer: 8 KV heads, 32 query heads, head dimension 128, one transform per head;
-
-each with keys coded before RoPE (decoded per tile, RoPE applied) and after RoPE (scored in the transformed
+with keys coded before RoPE (decoded per tile, RoPE applied) and after RoPE (scored in the transformed
 space), about 3.3 code bits per element plus the gains; against ``scaled_dot_product_attention`` in fp16 over
-an unquantized cache of the same shape (the faster of its two forms: the query group as the query axis, or ``enable_gqa``), and, at the
-Llama shape, ``kvlab.decode_attention`` over the MSE codec at K4V4 and K3V3. Times are medians of
+an unquantized cache of the same shape (the faster of its two forms: the query group as the query axis, or
+``enable_gqa``), and ``kvlab.decode_attention`` over the MSE codec (Hadamard rotation) at K4V4 and K3V3 at the
+same shape. Times are medians of
 ``do_bench`` called from Python and of ``do_bench_cudagraph`` replays. The caches hold random codes with
 valid fp16 gains in shuffled blocks of 16 tokens.
 
@@ -45,7 +44,6 @@ from kvlab.transform.attention import decode_attention  # noqa: E402
 
 SHAPES = {  # name: (KV heads, query heads, head dim, groups)
     "SmolLM2-135M layer (joint transform)": (3, 9, 64, 1),
-    "Llama-3-8B layer (per-head transform)": (8, 32, 128, 8),
 }
 BATCH, CONTEXTS, BLOCK = 8, (4096, 32768), 16
 
@@ -96,6 +94,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="folder for transform_decode.csv / .json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (any device)")
+    ap.add_argument("--tests-log", default=None, help="the log of a compiled run of the tests made just before")
     args = ap.parse_args()
     if args.smoke:
         global SHAPES
@@ -107,11 +106,11 @@ def main() -> int:
 
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from benchmarks.bench_decode import codecs as mse_codecs, copy_bandwidth, random_cache as mse_cache
+    from benchmarks.bench_decode import copy_bandwidth
     from benchmarks.common import bench_graph, run_tests, write_csv
     from kvlab.decode import decode_attention as mse_decode
 
-    tests = run_tests(["tests/test_transform_attention.py", "tests/test_transform_kernels.py"])
+    tests = run_tests(["tests/test_transform_attention.py", "tests/test_transform_kernels.py"], args.tests_log)
     print("tests:", tests["summary"], flush=True)
     err = check("cuda")
     print(f"check: relative error {err:.2e}", flush=True)
@@ -125,23 +124,34 @@ def main() -> int:
         kc, vc = random_codec(heads * dim, groups, 1, "cuda"), random_codec(heads * dim, groups, 2, "cuda")
         rope = RoPE(1e4 ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         for context in CONTEXTS:
+            g = torch.Generator(device="cuda").manual_seed(context)
             q = torch.randn(BATCH, q_heads, dim, device="cuda", generator=g)
             lens = torch.full((BATCH,), context, dtype=torch.int32, device="cuda")
             table = torch.randperm(BATCH * context // BLOCK, device="cuda", generator=g).int().view(BATCH, -1)
             k_cache, v_cache = random_cache(kc, BATCH, context, "cuda", g), random_cache(vc, BATCH, context, "cuda", g)
             point = dict(shape=shape, batch=BATCH, context=context, kv_heads=heads, q_heads=q_heads, head_dim=dim)
             nbytes = BATCH * context * (kc.row_bytes + vc.row_bytes)
+            k = torch.randn(BATCH, heads, context, dim, device="cuda", dtype=torch.float16, generator=g)
+            v = torch.randn(BATCH, heads, context, dim, device="cuda", dtype=torch.float16, generator=g)
+            qh = torch.randn(BATCH, q_heads, 1, dim, device="cuda", dtype=torch.float16, generator=g)
+            qm = torch.randn(BATCH, q_heads, dim, device="cuda", dtype=torch.float16, generator=g)
             for mode, r in (("transform, keys before RoPE", rope), ("transform, keys after RoPE", None)):
                 fn = lambda r=r: decode_attention(q, k_cache, v_cache, table, lens, kc, vc, scale=dim**-0.5, rope=r)
-                ms, graph = do_bench(fn, warmup=10, rep=60, return_mode="median"), bench_graph(fn)
+                ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+                try:  # the reason a capture fails, if it does
+                    torch.cuda.synchronize()
+                    graph_obj = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph_obj):
+                        fn()
+                    graph = bench_graph(fn)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  capture of {mode}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    graph = None
                 rows.append(dict(point, method=mode, bits_per_element=round(8 * (kc.row_bytes + vc.row_bytes) / (2 * heads * dim), 3),
                                  ms=ms, graph_ms=graph, bytes=nbytes))
             del k_cache, v_cache
-            k = torch.randn(BATCH, heads, context, dim, device="cuda", dtype=torch.float16, generator=g)
-            v = torch.randn_like(k)
             best = None
 
-            qh = torch.randn(BATCH, q_heads, 1, dim, device="cuda", dtype=torch.float16, generator=g)
             qg = qh.view(BATCH, heads, q_heads // heads, dim)
             for form, fn in (("q group as query axis", lambda: sdpa(qg, k, v)),
                              ("enable_gqa", lambda: sdpa(qh, k, v, enable_gqa=True))):
@@ -151,17 +161,27 @@ def main() -> int:
                                 bytes=2 * k.numel() * 2)
             rows.append(best)
             del k, v
-            if dim == 128 and heads == 8:  # kvlab's fused decode over MSE codes at the same shape (its benchmark's)
-                for kb in (4, 3):
-                    key_codec, value_codec, layout = mse_codecs("mse", kb, kb)
-                    cache, mtable, mlens = mse_cache("mse", layout, BATCH, context)
-                    qm = torch.randn(BATCH, q_heads, dim, device="cuda", dtype=torch.float16, generator=g)
-                    fn = lambda: mse_decode(qm, cache, mtable, mlens, key_codec, value_codec, scale=dim**-0.5, check=False)
-                    ms, graph = do_bench(fn, warmup=10, rep=60, return_mode="median"), bench_graph(fn)
-                    rows.append(dict(point, method=f"MSE K{kb}V{kb} (kvlab.decode_attention)",
-                                     bits_per_element=round(8 * layout.slot_bytes / (2 * dim), 3), ms=ms, graph_ms=graph,
-                                     bytes=BATCH * context * heads * layout.slot_bytes))
-                    del cache
+            import kvlab
+            from kvlab.layout import MSESlot
+
+            for kb in (4, 3):  # kvlab's fused decode over MSE codes at the same shape
+                key_codec = kvlab.MSECodec(dim, kb, rotation="hadamard", seed=0)
+                value_codec = kvlab.MSECodec(dim, kb, rotation="hadamard", seed=1)
+                layout = MSESlot(dim, kb, kb)
+                blocks = BATCH * context // BLOCK
+                gm = torch.Generator(device="cuda").manual_seed(kb)
+                cache = torch.randint(0, 256, (blocks, BLOCK, heads, layout.slot_bytes), dtype=torch.uint8,
+                                      device="cuda", generator=gm)
+                one = int(torch.tensor(1.0, dtype=torch.float16).view(torch.int16)) & 0xFFFF
+                for at in (layout.key_norm_offset, layout.value_norm_offset):
+                    cache[..., at], cache[..., at + 1] = one & 0xFF, one >> 8
+                mtable = torch.randperm(blocks, device="cuda", generator=gm).int().view(BATCH, -1)
+                fn = lambda: mse_decode(qm, cache, mtable, lens, key_codec, value_codec, scale=dim**-0.5, check=False)
+                ms, graph = do_bench(fn, warmup=10, rep=60, return_mode="median"), bench_graph(fn)
+                rows.append(dict(point, method=f"MSE K{kb}V{kb} (kvlab.decode_attention)",
+                                 bits_per_element=round(8 * layout.slot_bytes / (2 * dim), 3), ms=ms, graph_ms=graph,
+                                 bytes=BATCH * context * heads * layout.slot_bytes))
+                del cache
             for r in rows[-6:]:
                 print(f"{shape[:24]:24s} {context:6d} {r['method'][:40]:40s} {r['ms']:.3f} ms  graph {r['graph_ms']}", flush=True)
             torch.cuda.empty_cache()

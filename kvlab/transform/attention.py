@@ -36,6 +36,7 @@ __all__ = ["decode_attention"]
 
 BLOCK_TOKENS = 32
 MIN_DOT = 16
+MAX_WIDTH = 256  # numbers per token: one tile of the row fits the shared memory of an H200
 
 
 def _unpack_tables(codec: TransformCodec, width: int, device) -> dict:
@@ -64,6 +65,36 @@ def _unpack_tables(codec: TransformCodec, width: int, device) -> dict:
     t["mean"] = codec.mean.reshape(-1).to(device, torch.float32)
     cache[key] = t
     return t
+
+
+def _rope_columns(kt: dict, width: int, heads: int, dim: int, wp: int, device):
+    """Once per codec: each head's columns of the inverse transform [H, WP, D] (fp16), the same with RoPE's
+    rotate-half applied, and the mean per head with and without it."""
+    if "rope_columns" not in kt:
+        cols = kt["inverse"].view(width, heads, dim).permute(1, 0, 2)  # [H, W, D]
+        rot = lambda x: torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), -1)
+        inv_h = torch.zeros(heads, wp, dim, device=device, dtype=torch.float16)
+        invr_h = torch.zeros_like(inv_h)
+        inv_h[:, :width], invr_h[:, :width] = cols.half(), rot(cols).half()
+        mean_h = kt["mean"].view(heads, dim).contiguous()
+        kt["rope_columns"] = (inv_h, invr_h, mean_h, rot(mean_h).contiguous())
+    return kt["rope_columns"]
+
+
+_ROPE_TABLES: dict = {}
+
+
+def _rope_tables(rope, length: int, first_position: int, device):
+    """``(cos, sin)`` float32 ``[length, D]`` at positions ``first_position ..``, kept per RoPE, length and device (no
+    copy to the device on later calls, so that a call can be captured in a CUDA graph)."""
+    key = (id(rope), length, first_position, str(device))
+    if key not in _ROPE_TABLES:
+        positions = torch.arange(length, dtype=torch.float64) + first_position
+        angle = positions[:, None] * rope.inv_freq.double().cpu()
+        angle = torch.cat([angle, angle], -1)
+        _ROPE_TABLES[key] = (rope, (rope.scaling * angle.cos()).float().to(device),
+                             (rope.scaling * angle.sin()).float().to(device))
+    return _ROPE_TABLES[key][1:]
 
 
 @triton.jit
@@ -190,6 +221,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"the codecs code {width} and {value_codec.groups * value_codec.dim} numbers per token; "
                          f"both must be KV heads x head_dim ({dim})")
     heads = width // dim
+    if width > MAX_WIDTH:
+        raise ValueError(f"the codecs code {width} numbers per token (KV heads x head_dim); this kernel keeps a token's "
+                         f"transformed row in one tile and reads rows of at most {MAX_WIDTH} (SmolLM2: 3 x 64 = 192)")
     if q_heads % heads:
         raise ValueError(f"q has {q_heads} heads, not a multiple of the cache's {heads} KV heads")
     C.check_tensor("k_cache", k_cache, (torch.uint8,), last_dim=key_codec.row_bytes)
@@ -207,7 +241,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_len = block_table.shape[1] * page
     if splits is None:
         splits = max(1, min(C.cdiv(max_len, 256), C.cdiv(264, batch)))  # ~2 programs per SM of an H200
-    split_len = C.cdiv(C.cdiv(max_len, splits), BLOCK_TOKENS) * BLOCK_TOKENS
+    bt = BLOCK_TOKENS if wp < 256 else MIN_DOT  # smaller tiles for wide rows (shared memory)
+    split_len = C.cdiv(C.cdiv(max_len, splits), bt) * bt
     splits = C.cdiv(max_len, split_len)
     qf = q.float()
     head_of = torch.arange(q_heads, device=device) // group  # [Hq]
@@ -224,17 +259,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qpad = torch.zeros(batch, heads, hqp, dim, device=device, dtype=torch.float16)
         for h in range(heads):
             qpad[:, h, h * group : (h + 1) * group] = qf[:, h * group : (h + 1) * group].half()
-        cols = kt["inverse"].view(width, heads, dim).permute(1, 0, 2)  # [H, W, D]
-        rot = lambda x: torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), -1)
-        inv_h = torch.zeros(heads, wp, dim, device=device, dtype=torch.float16)
-        invr_h = torch.zeros_like(inv_h)
-        inv_h[:, :width], invr_h[:, :width] = cols.half(), rot(cols).half()
-        mean_h = kt["mean"].view(heads, dim).contiguous()
-        meanr_h = rot(mean_h).contiguous()
-        positions = torch.arange(max_len, device=device, dtype=torch.float64) + first_position
-        angle = positions[:, None] * rope.inv_freq.to(device)
-        angle = torch.cat([angle, angle], -1)
-        cos, sin = (rope.scaling * angle.cos()).float(), (rope.scaling * angle.sin()).float()
+        inv_h, invr_h, mean_h, meanr_h = _rope_columns(kt, width, heads, dim, wp, device)
+        cos, sin = _rope_tables(rope, max_len, first_position, device)
     acc = torch.empty(batch, splits, hqp, wp, device=device)
     m = torch.empty(batch, splits, hqp, device=device)
     lsum = torch.empty(batch, splits, hqp, device=device)
@@ -244,9 +270,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         vt["byte"], vt["shift"], vt["mask"], vt["gain"], vt["book"], vt["books"],
         qt, qm, qpad, inv_h, invr_h, mean_h, meanr_h, cos, sin, acc, m, lsum,
         key_codec.row_bytes, value_codec.row_bytes, block_table.shape[1], splits, split_len, width, float(scale),
-        H=heads, D=dim, HQP=hqp, WP=wp, BT=BLOCK_TOKENS, PAGE=page, PRE_ROPE=rope is not None,
-        KGAIN=key_codec.gain, VGAIN=value_codec.gain, STEPS=split_len // BLOCK_TOKENS,
-        PER_HEAD=key_codec.groups == heads and max(MIN_DOT, dim) == dim, num_warps=8 if wp >= 512 else 4)
+        H=heads, D=dim, HQP=hqp, WP=wp, BT=bt, PAGE=page, PRE_ROPE=rope is not None,
+        KGAIN=key_codec.gain, VGAIN=value_codec.gain, STEPS=split_len // bt,
+        PER_HEAD=key_codec.groups == heads and max(MIN_DOT, dim) == dim, num_warps=8 if wp >= 512 else 4, num_stages=1)
     # combine the splits, then map the accumulated transformed values back once
     top = m.amax(1, keepdim=True)
     w = torch.where(torch.isfinite(m), torch.exp(m - top), torch.zeros_like(m))  # [B, S, HQP]
