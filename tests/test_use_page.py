@@ -24,13 +24,14 @@ def page_code() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), re.S | re.M)
 
 
-def test_use_page_code_runs(monkeypatch):
+def test_use_page_code_runs(monkeypatch, tmp_path):
     _, tokenizer = M.load_model()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096)
     small = LlamaForCausalLM(cfg).eval()
     monkeypatch.setattr(kvlab, "load_model", lambda device="cpu", **kw: (small.to(device), tokenizer))
+    monkeypatch.chdir(tmp_path)  # the page saves a file
     blocks = page_code()
     assert len(blocks) >= 6 and "kvlab.load_model(" in blocks[0]
     ns: dict = {}
@@ -41,3 +42,5 @@ def test_use_page_code_runs(monkeypatch):
     assert set(ns["results"]) == {"fp16", "mse k4v4", "kivi k4v4"}
     assert ns["results"]["fp16"].bits_per_element == 16 and ns["results"]["mse k4v4"].bits_per_element == 4.25
     assert ns["cache"].key_stats is ns["stats"]
+    assert ns["t_cache"].transform is ns["kv"] and ns["t_cache"].get_seq_length() > 0
+    assert (tmp_path / "transform-3.5.pt").is_file()
