@@ -378,19 +378,28 @@ class _MSEStore:
         """Sequence positions of stored tokens [start, stop) of every sequence, sequence-major: [B * (stop - start)]."""
         return (torch.arange(start, stop) + self.first_position).repeat(len(self.block_table))
 
+    def _new_blocks(self, stop: int) -> int:
+        """Extend every sequence's block table to hold ``stop`` tokens with blocks after the last one; how many."""
+        need = -(-stop // self.block_size)  # blocks per sequence
+        first = 1 + max((b for t in self.block_table for b in t), default=-1)
+        ids = iter(range(first, first + sum(max(0, need - len(t)) for t in self.block_table)))
+        added = 0
+        for t in self.block_table:
+            new = [next(ids) for _ in range(need - len(t))]
+            t.extend(new)
+            added += len(new)
+        return added
+
+    @staticmethod
+    def _grow(cache: torch.Tensor, blocks: int) -> torch.Tensor:
+        """``cache`` with ``blocks`` zero blocks appended (a new tensor: the old one is kept for a rollback)."""
+        return torch.cat([cache, cache.new_zeros(blocks, *cache.shape[1:])], 0) if blocks else cache
+
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k``, ``v`` ``[B, H, n, D]`` at positions [tokens, tokens + n) of every sequence."""
         batch, heads, n, dim = k.shape
         stop = self.tokens + n
-        need = -(-stop // self.block_size)  # blocks per sequence
-        grow = sum(max(0, need - len(t)) for t in self.block_table)
-        if grow:
-            first = self.cache.shape[0]
-            extra = torch.zeros(grow, *self.cache.shape[1:], dtype=torch.uint8, device=self.cache.device)
-            self.cache = torch.cat([self.cache, extra], 0)
-            ids = iter(range(first, first + grow))
-            for t in self.block_table:
-                t.extend(next(ids) for _ in range(need - len(t)))
+        self.cache = self._grow(self.cache, self._new_blocks(stop))
         slots = self._slots(self.tokens, stop)
         k_rows = k.transpose(1, 2).reshape(batch * n, heads, dim)  # [B * n, H, D], sequence-major
         v_rows = v.transpose(1, 2).reshape(batch * n, heads, dim)
@@ -406,12 +415,15 @@ class _MSEStore:
             write_slots(self.cache, slots, self.key_codec.encode(k_rows), self.value_codec.encode(v_rows), self.layout)
         self.tokens = stop
 
+    def _stored(self):
+        """``(batch, tokens, slot_mapping)`` of every stored token, or None when there is none."""
+        return None if self.tokens == 0 else (len(self.block_table), self.tokens, self._slots(0, self.tokens))
+
     def read(self, dtype: torch.dtype):
         """Decoded keys and values ``[B, H, tokens, D]`` in ``dtype`` (model space), or (None, None)."""
-        if self.tokens == 0:
+        if (stored := self._stored()) is None:
             return None, None
-        batch, n = len(self.block_table), self.tokens
-        slots = self._slots(0, n)
+        batch, n, slots = stored
         if self.backend == "triton":
             mse = _triton()[1]
             if self.centered:
@@ -468,16 +480,9 @@ class _TransformStore(_MSEStore):
               TR.transform(self.value_codec, rows_v)]
         for name, codec, y in (("key_states", self.key_codec, ys[0]), ("value_states", self.value_codec, ys[1])):
             TR.check_gains(codec, y, name)  # both checked before anything is written
-        need = -(-stop // self.block_size)
-        grow = sum(max(0, need - len(t)) for t in self.block_table)
-        if grow:
-            first = self.k_cache.shape[0]
-            self.k_cache = torch.cat([self.k_cache, self.k_cache.new_zeros(grow, *self.k_cache.shape[1:])], 0)
-            self.v_cache = torch.cat([self.v_cache, self.v_cache.new_zeros(grow, *self.v_cache.shape[1:])], 0)
-            self.cache = self.k_cache
-            ids = iter(range(first, first + grow))
-            for t in self.block_table:
-                t.extend(next(ids) for _ in range(need - len(t)))
+        grow = self._new_blocks(stop)
+        self.k_cache, self.v_cache = self._grow(self.k_cache, grow), self._grow(self.v_cache, grow)
+        self.cache = self.k_cache
         slots = self._slots(self.tokens, stop)
         for codec, cache, y in ((self.key_codec, self.k_cache, ys[0]), (self.value_codec, self.v_cache, ys[1])):
             flat = cache.view(-1, codec.row_bytes)
@@ -490,10 +495,9 @@ class _TransformStore(_MSEStore):
     def read(self, dtype: torch.dtype):
         from .transform import reference as TR, triton as TK
 
-        if self.tokens == 0:
+        if (stored := self._stored()) is None:
             return None, None
-        batch, n = len(self.block_table), self.tokens
-        slots = self._slots(0, n)
+        batch, n, slots = stored
         out = []
         for codec, cache in ((self.key_codec, self.k_cache), (self.value_codec, self.v_cache)):
             flat = cache.view(-1, codec.row_bytes)

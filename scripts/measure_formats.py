@@ -104,6 +104,16 @@ def measure(model, factories: dict, ids: torch.Tensor, windows: int) -> dict:
     return out
 
 
+def write_json(path, data: dict) -> Path:
+    """``data`` as JSON at ``path``, written whole (a temporary file, then renamed)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "results" / "formats_perplexity.json"))
@@ -151,11 +161,7 @@ def main() -> int:
         "formats": {name: repr(f) for name, f in FORMATS.items()},
         "per_window": per_window, "seconds": round(seconds, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(out)
+    out = write_json(args.out, data)
     print(f"measure_formats: wrote {out} in {seconds:.0f} s", flush=True)
     return 0
 

@@ -46,7 +46,7 @@ from kvlab import KVCache, KVFormat  # noqa: E402
 from kvlab.fingerprint import transform_fingerprint  # noqa: E402
 from kvlab.simulated import SimulatedCache, rope_tables, transform_part  # noqa: E402
 from kvlab.transform.calibration import calibrate, capture  # noqa: E402
-from measure_formats import EVAL_TOKENS, STRIDE, WINDOW, idle_manual  # noqa: E402
+from measure_formats import EVAL_TOKENS, STRIDE, WINDOW, idle_manual, write_json  # noqa: E402
 
 CALIBRATION_TOKENS = 4096
 THIRD_TEXT_START = 40000
@@ -154,11 +154,7 @@ def main() -> int:
         "baseline": "fp16: KVCache(KVFormat('fp16')), keys and values rounded to fp16, the model in fp32",
         "configs": meta, "per_window": per_window, "seconds": round(seconds, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(out)
+    out = write_json(args.out, data)
     print(f"measure_transform: wrote {out} in {seconds:.0f} s", flush=True)
     return 0
 
