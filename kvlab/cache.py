@@ -455,7 +455,7 @@ class _TransformStore(_MSEStore):
         self.tokens = 0
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        from .transform import reference as TR, triton as TK
+        from .transform import api as TA, reference as TR, triton as TK
 
         batch, heads, n, dim = k.shape
         stop = self.tokens + n
@@ -463,11 +463,12 @@ class _TransformStore(_MSEStore):
         if self.rope is not None:
             pos = self._positions(self.tokens, stop)[:, None]
             rows_k = self.rope.undo(rows_k, pos).to(k.device, torch.float32)
+        rows_k = rows_k.reshape(batch * n, heads * dim)
         rows_v = v.transpose(1, 2).reshape(batch * n, heads * dim)
-        ys = [TR.transform(self.key_codec, rows_k.reshape(batch * n, heads * dim)),
-              TR.transform(self.value_codec, rows_v)]
+        M = TA if self.backend == "triton" else TR  # the same matrix products and checks, kernels or oracle
+        ys = [M.transform(self.key_codec, rows_k), M.transform(self.value_codec, rows_v)]
         for name, codec, y in (("key_states", self.key_codec, ys[0]), ("value_states", self.value_codec, ys[1])):
-            TR.check_gains(codec, y, name)  # both checked before anything is written
+            M.check_gains(codec, y, name)  # both checked before anything is written
         need = -(-stop // self.block_size)
         grow = sum(max(0, need - len(t)) for t in self.block_table)
         if grow:
@@ -480,15 +481,14 @@ class _TransformStore(_MSEStore):
                 t.extend(next(ids) for _ in range(need - len(t)))
         slots = self._slots(self.tokens, stop)
         for codec, cache, y in ((self.key_codec, self.k_cache, ys[0]), (self.value_codec, self.v_cache, ys[1])):
-            flat = cache.view(-1, codec.row_bytes)
             if self.backend == "triton":
-                TK.pack_rows(*TK.quantize_rows(y.contiguous(), codec), codec, flat, slots)
+                TK.store_transform(y, codec, cache, slots)
             else:
-                TR.write_rows(flat, slots, TR.pack(codec, *TR.quantize(codec, y)))
+                TR.write_rows(cache.view(-1, codec.row_bytes), slots, TR.pack(codec, *TR.quantize(codec, y)))
         self.tokens = stop
 
     def read(self, dtype: torch.dtype):
-        from .transform import reference as TR, triton as TK
+        from .transform import api as TA, reference as TR, triton as TK
 
         if self.tokens == 0:
             return None, None
@@ -496,12 +496,12 @@ class _TransformStore(_MSEStore):
         slots = self._slots(0, n)
         out = []
         for codec, cache in ((self.key_codec, self.k_cache), (self.value_codec, self.v_cache)):
-            flat = cache.view(-1, codec.row_bytes)
             if self.backend == "triton":
-                y_hat = TK.load_rows(flat, codec, slots)
+                x = TA.untransform(codec, TK.load_transform(cache, codec, slots))
             else:
-                y_hat = TR.dequantize(codec, *TR.unpack(codec, TR.read_rows(flat, slots)))
-            out.append(TR.untransform(codec, y_hat).reshape(batch * n, self.num_heads, self.head_dim))
+                rows = TR.read_rows(cache.view(-1, codec.row_bytes), slots)
+                x = TR.untransform(codec, TR.dequantize(codec, *TR.unpack(codec, rows)))
+            out.append(x.reshape(batch * n, self.num_heads, self.head_dim))
         k, v = out
         if self.rope is not None:
             k = self.rope.apply(k, self._positions(0, n)[:, None]).to(v.device, torch.float32)
