@@ -119,7 +119,7 @@ def _store_kernel(
         b_g = tl.sqrt(b_ms).to(tl.float32).to(tl.float16)  # via fp32, as torch converts fp64 to fp16
     else:
         b_g = tl.full([BT], 1.0, tl.float16)
-    b_gf = b_g.to(tl.float32)[:, None]  # [BT, 1]
+    b_gf = tl.where(m_t, b_g.to(tl.float32), 1.0)[:, None]  # [BT, 1]; tokens not stored: any finite gain
     # each code byte: the sum (= OR, disjoint bits) of the parts of the codes that overlap it
     b_nb = tl.load(nbytes_ptr + i_g)
     m_j = o_j < b_nb
