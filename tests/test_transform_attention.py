@@ -12,6 +12,7 @@ CASES = [  # batch, KV heads, query heads per KV head, head_dim, groups ("joint"
     (2, 3, 3, 64, 1, 16, (37, 100)),
     (1, 2, 1, 32, 2, 8, (1,)),
     (3, 1, 4, 16, 1, 16, (64, 5, 33)),
+    (2, 3, 1, 16, 3, 8, (63, 17)),  # a transform per head, no query grouping
 ]
 
 
@@ -53,15 +54,70 @@ def test_equals_the_reference(batch, heads, group, dim, groups, page, lens, pre_
         assert err < 5e-3, f"relative error {err:.2e}"
 
 
-def test_bad_arguments():
+BAD = [  # case, error, message
+    ("codec", TypeError, "key_codec must be"),
+    ("q_heads", ValueError, "not a multiple"),
+    ("q_shape", ValueError, "q must be"),
+    ("q_dtype", TypeError, "q must have dtype"),
+    ("q_nan", ValueError, "q holds NaN"),
+    ("width", ValueError, "both must be KV heads x head_dim"),
+    ("table_batch", ValueError, "block_table must be"),
+    ("table_dtype", TypeError, "block_table must have dtype"),
+    ("table_entry", ValueError, "block_table's entries"),
+    ("lens_zero", ValueError, r"seq_lens must be in \[1, 32\]"),
+    ("lens_long", ValueError, r"seq_lens must be in \[1, 32\]"),
+    ("cache_bytes", ValueError, "k_cache must have last dimension"),
+    ("cache_blocks", ValueError, "k_cache and v_cache must have the same"),
+    ("scale", ValueError, "scale must be a positive"),
+    ("rope", TypeError, "rope must be None or a kvlab.RoPE"),
+    ("rope_dim", ValueError, "rope rotates 16 channels"),
+    ("splits", ValueError, "splits must be >= 1"),
+    ("check", TypeError, "check must be a bool"),
+]
+
+
+@pytest.mark.parametrize("case,error,match", BAD)
+def test_bad_arguments(case, error, match):
     kc = codec(64, 1, 1)
-    cache = torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8)
-    table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
-    with pytest.raises(TypeError, match="key_codec"):
-        decode_attention(torch.randn(1, 2, 32), cache, cache, table, lens, "codec", kc, scale=1.0)
-    with pytest.raises(ValueError, match="not a multiple"):
-        decode_attention(torch.randn(1, 3, 32), cache, cache, table, lens, kc, kc, scale=1.0)
-    with pytest.raises(ValueError, match="q must be"):
-        decode_attention(torch.randn(2, 32), cache, cache, table, lens, kc, kc, scale=1.0)
-    with pytest.raises(ValueError, match="block_table"):
-        decode_attention(torch.randn(2, 2, 32), cache, cache, table, lens, kc, kc, scale=1.0)
+    args = dict(q=torch.randn(1, 2, 32), k_cache=torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8),
+                v_cache=torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8), block_table=torch.tensor([[1, 0]]),
+                seq_lens=torch.tensor([20]), key_codec=kc, value_codec=kc)
+    kwargs = dict(scale=1.0)
+    if case == "codec":
+        args["key_codec"] = "codec"
+    elif case == "q_heads":
+        args["q"] = torch.randn(1, 3, 32)
+    elif case == "q_shape":
+        args["q"] = torch.randn(2, 32)
+    elif case == "q_dtype":
+        args["q"] = args["q"].double()
+    elif case == "q_nan":
+        args["q"][0, 1, 2] = float("nan")
+    elif case == "width":
+        args["q"] = torch.randn(1, 2, 48)
+    elif case == "table_batch":
+        args["q"] = torch.randn(2, 2, 32)
+    elif case == "table_dtype":
+        args["block_table"] = args["block_table"].float()
+    elif case == "table_entry":
+        args["block_table"] = torch.tensor([[1, 2]])
+    elif case == "lens_zero":
+        args["seq_lens"] = torch.tensor([0])
+    elif case == "lens_long":
+        args["seq_lens"] = torch.tensor([33])
+    elif case == "cache_bytes":
+        args["k_cache"] = torch.zeros(2, 16, kc.row_bytes + 1, dtype=torch.uint8)
+    elif case == "cache_blocks":
+        args["v_cache"] = torch.zeros(3, 16, kc.row_bytes, dtype=torch.uint8)
+    elif case == "scale":
+        kwargs["scale"] = 0.0
+    elif case == "rope":
+        kwargs["rope"] = "rope"
+    elif case == "rope_dim":
+        kwargs["rope"] = RoPE(torch.ones(8, dtype=torch.float64))
+    elif case == "splits":
+        kwargs["splits"] = 0
+    elif case == "check":
+        kwargs["check"] = 1
+    with pytest.raises(error, match=match):
+        decode_attention(**args, **kwargs)
