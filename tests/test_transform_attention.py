@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvlab import RoPE
-from kvlab.transform import TransformCodec, api
+from kvlab.transform import TransformCodec
 from kvlab.transform import reference as R
 from kvlab.transform.attention import decode_attention
 
@@ -29,7 +29,7 @@ def codec(width, groups, seed, max_bits=4):
 
 @pytest.mark.parametrize("pre_rope", [False, True])
 @pytest.mark.parametrize("batch,heads,group,dim,groups,page,lens", CASES)
-def test_equals_the_reference(batch, heads, group, dim, groups, page, lens, pre_rope):
+def test_equals_the_reference(batch, heads, group, dim, groups, page, lens, pre_rope, device):
     width = heads * dim
     kc, vc = codec(width, groups, 1), codec(width, groups, 2)
     g = torch.Generator().manual_seed(3)
@@ -41,15 +41,16 @@ def test_equals_the_reference(batch, heads, group, dim, groups, page, lens, pre_
     for b, n in enumerate(lens):
         t = torch.arange(n)
         slots = table[b, t // page].long() * page + t % page
-        api.store(torch.randn(n, width, generator=g), kc, k_cache, slots)
-        api.store(torch.randn(n, width, generator=g), vc, v_cache, slots)
+        R.write_rows(k_cache.view(-1, kc.row_bytes), slots, R.encode(kc, torch.randn(n, width, generator=g)))
+        R.write_rows(v_cache.view(-1, vc.row_bytes), slots, R.encode(vc, torch.randn(n, width, generator=g)))
     q = torch.randn(batch, heads * group, dim, generator=g)
     rope = RoPE(1e4 ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)) if pre_rope else None
     lens_t = torch.tensor(lens, dtype=torch.int32)
     ref = R.decode_attention(q, k_cache, v_cache, table, lens_t, kc, vc, scale=dim**-0.5, rope=rope, first_position=2)
+    on = lambda *ts: [t.to(device) for t in ts]
     for splits in (None, 3):
-        out = decode_attention(q, k_cache, v_cache, table, lens_t, kc, vc, scale=dim**-0.5, rope=rope,
-                               first_position=2, splits=splits)
+        out = decode_attention(*on(q, k_cache, v_cache, table, lens_t), kc.to(device), vc.to(device),
+                               scale=dim**-0.5, rope=rope, first_position=2, splits=splits).cpu()
         err = (out - ref).norm() / ref.norm()
         assert err < 5e-3, f"relative error {err:.2e}"
 
@@ -77,7 +78,7 @@ BAD = [  # case, error, message
 
 
 @pytest.mark.parametrize("case,error,match", BAD)
-def test_bad_arguments(case, error, match):
+def test_bad_arguments(case, error, match, device):
     kc = codec(64, 1, 1)
     args = dict(q=torch.randn(1, 2, 32), k_cache=torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8),
                 v_cache=torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8), block_table=torch.tensor([[1, 0]]),
@@ -119,5 +120,6 @@ def test_bad_arguments(case, error, match):
         kwargs["splits"] = 0
     elif case == "check":
         kwargs["check"] = 1
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     with pytest.raises(error, match=match):
         decode_attention(**args, **kwargs)

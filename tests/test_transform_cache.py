@@ -58,7 +58,7 @@ def _expected(kv, k, v, sink, stored):
 
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("rope", [None, ROPE], ids=["post_rope", "pre_rope"])
-def test_stores_codes_and_returns_their_decoding(groups, rope):
+def test_stores_codes_and_returns_their_decoding(groups, rope, device):
     kv = random_kv(1, H, D, groups, rope)
     sink, residual = 2, 3
     caches = {b: KVCache(KVFormat("transform"), num_layers=1, num_kv_heads=H, head_dim=D, transform=kv, sink=sink,
@@ -68,9 +68,10 @@ def test_stores_codes_and_returns_their_decoding(groups, rope):
         k, v = _kv(n, i)
         ks.append(k)
         vs.append(v)
-        outs = {b: c.update(k, v, 0) for b, c in caches.items()}
+        outs = {b: [x.cpu() for x in c.update(k.to(device), v.to(device), 0)] for b, c in caches.items()}
     k, v = torch.cat(ks, 2), torch.cat(vs, 2)
     ref, tri = (caches[b].layers[0] for b in ("reference", "triton"))
+    assert tri.backend == "triton" and ref.backend == "reference"
     assert torch.equal(ref.mse.k_cache, tri.mse.k_cache) and torch.equal(ref.mse.v_cache, tri.mse.v_cache)
     for a, b in zip(outs["reference"], outs["triton"]):
         assert torch.equal(a, b)
@@ -87,16 +88,16 @@ def test_stores_codes_and_returns_their_decoding(groups, rope):
     assert caches["triton"].bits_per_element == pytest.approx(kv.bits_per_element(), rel=1e-12)
 
 
-def test_a_gain_beyond_fp16_leaves_the_cache_as_it_was():
+def test_a_gain_beyond_fp16_leaves_the_cache_as_it_was(device):
     kv = random_kv(1, H, D, 1, ROPE)
     cache = KVCache(KVFormat("transform"), num_layers=1, num_kv_heads=H, head_dim=D, transform=kv,
                     dtype=torch.float32, backend="triton", block_size=4)
-    k, v = _kv(6, 0)
+    k, v = (x.to(device) for x in _kv(6, 0))
     cache.update(k, v, 0)
     layer = cache.layers[0]
     before = (layer.mse.k_cache.clone(), layer.mse.v_cache.clone(), [list(t) for t in layer.mse.block_table],
               layer.nbytes(), layer.length)
-    k2, v2 = _kv(5, 1)
+    k2, v2 = (x.to(device) for x in _kv(5, 1))
     v2[1, 2, 3] = 1e9  # fits in fp32 (the cache's dtype), not as a gain
     with pytest.raises(ValueError, match="value_states has a group whose gain"):
         cache.update(k2, v2, 0)
@@ -106,7 +107,7 @@ def test_a_gain_beyond_fp16_leaves_the_cache_as_it_was():
     assert out[0].shape == (B, H, 7, D)
 
 
-def test_tiny_llama_same_logits_on_both_back_ends():
+def test_tiny_llama_same_logits_on_both_back_ends(device):
     """A random 2-layer Llama over a prompt and three decode steps: both back ends store the same bytes and give
     the same logits, with keys coded before RoPE (at the model's RoPE) and after."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -114,10 +115,10 @@ def test_tiny_llama_same_logits_on_both_back_ends():
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
                       num_key_value_heads=3, head_dim=16, max_position_embeddings=128)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval().to(device)
     # the cache's keyword: ``cache`` since transformers 5.2x, ``past_key_values`` before
     kw = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
-    ids = torch.randint(0, 64, (1, 23), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (1, 23), generator=torch.Generator().manual_seed(1)).to(device)
     for rope in (None, RoPE.from_model(model)):
         kv = random_kv(2, 3, 16, 3 if rope is None else 1, rope, seed=5)
         logits, caches = {}, {}

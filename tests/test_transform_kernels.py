@@ -45,42 +45,46 @@ def random_y(tokens, groups, dim, seed=1):
 
 
 @pytest.mark.parametrize("groups,dim,bits,gain,tokens", SHAPES)
-def test_store_and_load_equal_the_reference(groups, dim, bits, gain, tokens):
-    codec = random_codec(groups, dim, bits, gain)
+def test_store_and_load_equal_the_reference(groups, dim, bits, gain, tokens, device):
+    codec = random_codec(groups, dim, bits, gain)  # the reference on the CPU, the kernels on `device`
+    kernel_codec = codec.to(device)
     y = random_y(tokens, groups, dim)
     g = torch.Generator().manual_seed(2)
     cache = torch.full((tokens + 5, codec.row_bytes), 0xAB, dtype=torch.uint8)
     slots = torch.randperm(tokens + 5, generator=g)[:tokens]
     if tokens > 1:
         slots[-1] = -1  # padding
+    expect = torch.full_like(cache, 0xAB)
+    R.write_rows(expect, slots, R.pack(codec, *R.quantize(codec, y)))
     for dtype in (torch.int64, torch.int32):
         cache.fill_(0xAB)
-        store_transform(y, codec, cache, slots.to(dtype))
-        expect = torch.full_like(cache, 0xAB)
-        R.write_rows(expect, slots, R.pack(codec, *R.quantize(codec, y)))
-        assert torch.equal(cache, expect)  # codes and gain bytes; rows of padding tokens and unused rows untouched
+        out = cache.to(device)
+        store_transform(y.to(device), kernel_codec, out, slots.to(device, dtype))
+        assert torch.equal(out.cpu(), expect)  # codes and gain bytes; rows of padding tokens and unused rows untouched
     keep = slots[slots >= 0]
-    y_hat = load_transform(cache, codec, keep)
+    y_hat = load_transform(out, kernel_codec, keep.to(device))
     ref = R.dequantize(codec, *R.unpack(codec, R.read_rows(expect, keep)))
-    assert torch.equal(y_hat, ref)
-    both = load_transform(cache.view(1, -1, codec.row_bytes), codec, torch.stack([keep, keep.flip(0)]).int())
-    assert both.shape == (2, keep.shape[0], groups, dim) and torch.equal(both[1], ref.flip(0))
+    assert torch.equal(y_hat.cpu(), ref)
+    both = load_transform(out.view(1, -1, codec.row_bytes), kernel_codec, torch.stack([keep, keep.flip(0)]).int().to(device))
+    assert both.shape == (2, keep.shape[0], groups, dim) and torch.equal(both[1].cpu(), ref.flip(0))
 
 
-def test_paged_cache_round_trip():
+def test_paged_cache_round_trip(device):
+    """api.store / api.load (their own matrix products) against the reference's encode / decode on the CPU."""
     codec = random_codec(3, 16, "0-5", True, seed=3)
-    cache = torch.zeros(4, 8, codec.row_bytes, dtype=torch.uint8)
+    cache = torch.zeros(4, 8, codec.row_bytes, dtype=torch.uint8, device=device)
     x = torch.randn(20, 48, generator=torch.Generator().manual_seed(2))
-    slots = torch.arange(20, dtype=torch.int32) + 5
-    api.store(x, codec, cache, slots)
-    assert torch.equal(cache.view(-1, codec.row_bytes)[5:25], R.encode(codec, x))
-    assert torch.equal(cache.view(-1, codec.row_bytes)[:5], torch.zeros(5, codec.row_bytes, dtype=torch.uint8))
-    assert torch.allclose(api.load(cache, codec, slots.long()), R.decode(codec, R.encode(codec, x)), atol=1e-5)
+    slots = torch.arange(20, dtype=torch.int32, device=device) + 5
+    api.store(x.to(device), codec, cache, slots)  # a CPU codec: moved to the cache's device once
+    rows = cache.view(-1, codec.row_bytes).cpu()
+    assert torch.equal(rows[5:25], R.encode(codec, x))
+    assert torch.equal(rows[:5], torch.zeros(5, codec.row_bytes, dtype=torch.uint8))
+    assert torch.allclose(api.load(cache, codec, slots.long()).cpu(), R.decode(codec, R.encode(codec, x)), atol=1e-5)
     assert api.load(cache, codec, slots[:0]).shape == (0, 48)
-    api.store(x[:0], codec, cache, slots[:0])  # no tokens: nothing to do
+    api.store(x[:0].to(device), codec, cache, slots[:0])  # no tokens: nothing to do
 
 
-def test_gain_ties_and_extremes():
+def test_gain_ties_and_extremes(device):
     """Gains at fp16's ends and values on a boundary times the gain: the same codes as the reference."""
     codec = random_codec(1, 32, "0-4", True, seed=5)
     y = torch.randn(6, 1, 32, generator=torch.Generator().manual_seed(4))
@@ -88,9 +92,9 @@ def test_gain_ties_and_extremes():
     y[2] *= 2e-4  # gains near fp16's smallest normal number
     y[3, 0, :] = 1.0  # gain exactly 1: every component on codebook boundaries' scale
     y[3, 0, 0] = float(codec.boundaries[0, 0, 0])  # a value on a boundary (gain 1): not above it
-    cache = torch.zeros(6, codec.row_bytes, dtype=torch.uint8)
-    store_transform(y, codec, cache, torch.arange(6))
-    assert torch.equal(cache, R.pack(codec, *R.quantize(codec, y)))
+    cache = torch.zeros(6, codec.row_bytes, dtype=torch.uint8, device=device)
+    store_transform(y.to(device), codec.to(device), cache, torch.arange(6, device=device))
+    assert torch.equal(cache.cpu(), R.pack(codec, *R.quantize(codec, y)))
 
 
 BAD_STORE = [  # case, error, message
@@ -113,10 +117,10 @@ BAD_STORE = [  # case, error, message
 
 
 @pytest.mark.parametrize("case,error,match", BAD_STORE)
-def test_store_bad_inputs_write_nothing(case, error, match):
-    codec = random_codec(1, 16, "0-3", True)
-    cache = torch.zeros(10, codec.row_bytes, dtype=torch.uint8)
-    x, slots, c = torch.randn(4, 16), torch.arange(4), codec
+def test_store_bad_inputs_write_nothing(case, error, match, device):
+    codec = random_codec(1, 16, "0-3", True).to(device)
+    cache = torch.zeros(10, codec.row_bytes, dtype=torch.uint8, device=device)
+    x, slots, c = torch.randn(4, 16, device=device), torch.arange(4, device=device), codec
     if case == "x_dtype":
         x = x.long()
     elif case == "x_shape":
@@ -130,21 +134,21 @@ def test_store_bad_inputs_write_nothing(case, error, match):
     elif case == "huge":
         x[1] = 1e9
     elif case == "tiny":
-        x[1] = codec.mean[0] + 1e-6 * torch.randn(16)
+        x[1] = codec.mean[0] + 1e-6 * torch.randn(16, device=device)
     elif case == "slot_range":
-        slots = torch.tensor([0, 1, 2, 10])
+        slots = torch.tensor([0, 1, 2, 10], device=device)
     elif case == "slot_low":
-        slots = torch.tensor([0, 1, -2, 3])
+        slots = torch.tensor([0, 1, -2, 3], device=device)
     elif case == "slot_dtype":
         slots = slots.float()
     elif case == "slot_shape":
-        slots = torch.arange(5)
+        slots = torch.arange(5, device=device)
     elif case == "cache_dtype":
         cache = cache.to(torch.int8)
     elif case == "cache_bytes":
-        cache = torch.zeros(10, codec.row_bytes + 1, dtype=torch.uint8)
+        cache = torch.zeros(10, codec.row_bytes + 1, dtype=torch.uint8, device=device)
     elif case == "cache_strided":
-        cache = torch.zeros(10, 2 * codec.row_bytes, dtype=torch.uint8)[:, : codec.row_bytes]
+        cache = torch.zeros(10, 2 * codec.row_bytes, dtype=torch.uint8, device=device)[:, : codec.row_bytes]
     elif case == "codec":
         c = "codec"
     before = cache.clone()
@@ -161,36 +165,38 @@ def test_store_bad_inputs_write_nothing(case, error, match):
     ("cache_bytes", ValueError, "cache must have last dimension"),
     ("codec", TypeError, "codec must be"),
 ])
-def test_load_bad_inputs(case, error, match):
-    codec = random_codec(1, 16, "0-3", True)
-    cache = torch.zeros(10, codec.row_bytes, dtype=torch.uint8)
-    slots, c = torch.arange(4), codec
+def test_load_bad_inputs(case, error, match, device):
+    codec = random_codec(1, 16, "0-3", True).to(device)
+    cache = torch.zeros(10, codec.row_bytes, dtype=torch.uint8, device=device)
+    slots, c = torch.arange(4, device=device), codec
     if case == "slot_range":
-        slots = torch.tensor([0, 10])
+        slots = torch.tensor([0, 10], device=device)
     elif case == "padding":
-        slots = torch.tensor([0, -1])
+        slots = torch.tensor([0, -1], device=device)
     elif case == "slot_dtype":
         slots = slots.double()
     elif case == "slot_shape":
         slots = slots.view(2, 2)
     elif case == "cache_bytes":
-        cache = torch.zeros(10, codec.row_bytes + 2, dtype=torch.uint8)
+        cache = torch.zeros(10, codec.row_bytes + 2, dtype=torch.uint8, device=device)
     elif case == "codec":
         c = codec.mean
     with pytest.raises(error, match=match):
         api.load(cache, c, slots)
 
 
-def test_kernel_launchers_check_types_and_shapes():
-    codec = random_codec(2, 8, "0-3", True)
-    cache = torch.zeros(10, codec.row_bytes, dtype=torch.uint8)
-    y = torch.randn(3, 2, 8)
+def test_kernel_launchers_check_types_and_shapes(device):
+    codec = random_codec(2, 8, "0-3", True).to(device)
+    cache = torch.zeros(10, codec.row_bytes, dtype=torch.uint8, device=device)
+    y, slots = torch.randn(3, 2, 8, device=device), torch.arange(3, device=device)
     with pytest.raises(TypeError, match="y must have dtype"):
-        store_transform(y.double(), codec, cache, torch.arange(3))
+        store_transform(y.double(), codec, cache, slots)
     with pytest.raises(ValueError, match=r"y must be \[tokens, groups, dim\]"):
-        store_transform(y.view(3, 16), codec, cache, torch.arange(3))
+        store_transform(y.view(3, 16), codec, cache, slots)
     with pytest.raises(ValueError, match="slot_mapping must be"):
-        store_transform(y, codec, cache, torch.arange(4))
+        store_transform(y, codec, cache, torch.arange(4, device=device))
+    with pytest.raises(ValueError, match="tensors must be on one device"):
+        store_transform(y.to("meta"), codec, cache, slots)
     with pytest.raises(TypeError, match="slots must have dtype"):
-        load_transform(cache, codec, torch.zeros(3))
+        load_transform(cache, codec, torch.zeros(3, device=device))
     assert torch.equal(cache, torch.zeros_like(cache))
