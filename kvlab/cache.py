@@ -768,6 +768,24 @@ class KVCacheLayer(CacheLayerMixin):
 # ----------------------------------------------------------------------------- the cache
 
 
+def check_transform(transform, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    """``transform`` must be a ``kvlab.transform.TransformKV`` with codecs for every layer of the model's shape."""
+    from .transform import TransformKV
+
+    if not isinstance(transform, TransformKV):
+        raise TypeError(f"transform must be a kvlab.transform.TransformKV (kvlab.transform.calibration.calibrate), "
+                        f"got {type(transform).__name__}")
+    if transform.layers != num_layers:
+        raise ValueError(f"transform has codecs for {transform.layers} layers, the model has {num_layers}")
+    for part, codecs in (("keys", transform.keys), ("values", transform.values)):
+        for i, c in enumerate(codecs):
+            if c.groups * c.dim != num_kv_heads * head_dim:
+                raise ValueError(f"transform.{part}[{i}] codes {c.groups} x {c.dim} numbers per token, the "
+                                 f"model's layer holds {num_kv_heads} x {head_dim}")
+    if transform.rope is not None and transform.rope.dim != head_dim:
+        raise ValueError(f"transform.rope rotates {transform.rope.dim} channels, the model's heads have {head_dim}")
+
+
 def model_shape(config, who: str = "KVCache") -> tuple[int, int, int]:
     """``(layers, KV heads, head_dim)`` of a transformers config; ValueError unless every layer is full attention."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -855,20 +873,7 @@ class KVCache(Cache):
                              "KVCache(..., key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
 
         if transform is not None:
-            from .transform import TransformKV
-
-            if not isinstance(transform, TransformKV):
-                raise TypeError(f"transform must be a kvlab.transform.TransformKV (kvlab.transform.calibration.calibrate), "
-                                f"got {type(transform).__name__}")
-            if transform.layers != num_layers:
-                raise ValueError(f"transform has codecs for {transform.layers} layers, the model has {num_layers}")
-            for part, codecs in (("keys", transform.keys), ("values", transform.values)):
-                for i, c in enumerate(codecs):
-                    if c.groups * c.dim != num_kv_heads * head_dim:
-                        raise ValueError(f"transform.{part}[{i}] codes {c.groups} x {c.dim} numbers per token, the "
-                                         f"model's layer holds {num_kv_heads} x {head_dim}")
-            if transform.rope is not None and transform.rope.dim != head_dim:
-                raise ValueError(f"transform.rope rotates {transform.rope.dim} channels, the model's heads have {head_dim}")
+            check_transform(transform, num_layers, num_kv_heads, head_dim)
         elif any(f.codec == "transform" for f in formats):
             raise ValueError("KVFormat('transform') needs the calibrated codecs: "
                              "KVCache(..., transform=kvlab.transform.calibration.calibrate(model, calibration_ids))")
