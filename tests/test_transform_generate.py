@@ -42,13 +42,13 @@ def random_kv(model, groups, pre_rope):
 
 
 @pytest.mark.parametrize("pre_rope", [False, True], ids=["post_rope", "pre_rope"])
-def test_fused_steps_match_the_materialising_cache(pre_rope):
+def test_fused_steps_match_the_materialising_cache(pre_rope, device):
     """A prompt, two decode steps and a continuation of three tokens: the logits of the paged cache (Triton store and
     decode, on a CPU in the interpreter) are those of KVCache over the same codes, up to the kernel's fp16 products;
     the two back ends of the paged cache store the same bytes for the same inputs."""
-    model = tiny_model()
+    model = tiny_model().to(device)
     kv = random_kv(model, 1 if pre_rope else 2, pre_rope)
-    ids = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1)).to(device)
     calls = [ids[:, :17], ids[:, 17:18], ids[:, 18:19], ids[:, 19:21]]
     logits = {}
     caches = {}
@@ -60,7 +60,7 @@ def test_fused_steps_match_the_materialising_cache(pre_rope):
         else:
             model.set_attn_implementation("kvlab")
             cache = PagedKVCache(KVFormat("transform"), config=model.config, batch_size=2, max_length=32,
-                                 transform=kv, backend=name)
+                                 transform=kv, backend=name, device=device)
         with torch.no_grad():
             logits[name] = [model(x, cache=cache, use_cache=True).logits[:, -1] for x in calls]
         caches[name] = cache
@@ -106,18 +106,18 @@ def test_bad_configurations():
         make(KVFormat("transform"), transform=two)
 
 
-def test_a_prompt_that_cannot_be_stored_leaves_every_layer_as_it_was():
-    model = tiny_model()
+def test_a_prompt_that_cannot_be_stored_leaves_every_layer_as_it_was(device):
+    model = tiny_model().to(device)
     kv = random_kv(model, 2, False)
     model.set_attn_implementation("kvlab")
     cache = PagedKVCache(KVFormat("transform"), config=model.config, batch_size=1, max_length=16, transform=kv,
-                         backend="triton")
+                         backend="triton", device=device)
     try:
         with torch.no_grad():
-            model(torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+            model(torch.tensor([[5, 6, 7]], device=device), cache=cache, use_cache=True)
             model.model.layers[1].self_attn.v_proj.weight.data *= 1e7  # the second layer's values: gains beyond fp16
             with pytest.raises(ValueError, match="value_states has a group whose gain"):
-                model(torch.tensor([[8, 9]]), cache=cache, use_cache=True)
+                model(torch.tensor([[8, 9]], device=device), cache=cache, use_cache=True)
     finally:
         model.set_attn_implementation("sdpa")
     assert [layer.length for layer in cache.layers] == [3, 3]
