@@ -67,7 +67,8 @@ def test_store_and_load_equal_the_reference(groups, dim, bits, gain, tokens, dev
     y_hat = load_transform(out, kernel_codec, keep.to(device))
     ref = R.dequantize(codec, *R.unpack(codec, R.read_rows(expect, keep)))
     assert torch.equal(y_hat.cpu(), ref)
-    both = load_transform(out.view(1, -1, codec.row_bytes), kernel_codec, torch.stack([keep, keep.flip(0)]).int().to(device))
+    pairs = torch.stack([keep, keep.flip(0)]).int().to(device)  # slots of any shape
+    both = load_transform(out.view(1, -1, codec.row_bytes), kernel_codec, pairs)
     assert both.shape == (2, keep.shape[0], groups, dim) and torch.equal(both[1].cpu(), ref.flip(0))
 
 

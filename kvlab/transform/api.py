@@ -89,7 +89,8 @@ def prepare(x: torch.Tensor, codec: TransformCodec, cache: torch.Tensor, slot_ma
     num_slots = _num_slots(cache, codec)
     C.check_tensor(name, x, C.FLOAT_DTYPES)
     if x.dim() != 2 or x.shape[1] != codec.groups * codec.dim:
-        raise ValueError(f"{name} must be [tokens, groups * dim] = [T, {codec.groups * codec.dim}], got {tuple(x.shape)}")
+        raise ValueError(f"{name} must be [tokens, groups * dim] = [T, {codec.groups * codec.dim}], "
+                         f"got {tuple(x.shape)}")
     if x.device != cache.device:
         raise ValueError(f"{name} is on {x.device}, the cache on {cache.device}")
     _check_slots("slot_mapping", slot_mapping, x.shape[0], num_slots, cache.device, True, check)

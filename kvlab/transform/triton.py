@@ -6,12 +6,12 @@ What
 
     * ``store_transform(y, codec, cache, slot_mapping)`` (``quantize`` + ``pack`` + ``write_rows``): one fused
       kernel per tile of tokens and group. The gain is the fp64 root mean square of the group's ``y``, rounded
-      to fp32 and then to fp16 as torch converts (1 with ``gain=False``). Each byte of the group's bit stream is then the sum of the parts of the
-      codes that overlap it (their bits are disjoint, so the sum is their OR); a code is found where it is
-      needed, by a binary search over its component's boundaries (``y > boundary * gain``, ``max_bits`` steps),
-      through a table built once per codec: for each byte, the components that overlap it and where their
-      code starts relative to the byte. The gain follows as two bytes. Slot ``-1`` is padding: its row is not
-      written.
+      to fp32 and then to fp16 as torch converts (1 with ``gain=False``). Each byte of the group's bit stream
+      is then the sum of the parts of the codes that overlap it (their bits are disjoint, so the sum is their
+      OR); a code is found where a byte needs it, by a binary search over its component's boundaries
+      (``y > boundary * gain``, ``max_bits`` steps), through a table built once per codec: for each byte, the
+      components that overlap it and where their code starts relative to the byte. The gain follows as two
+      bytes. Slot ``-1`` is padding: its row is not written.
     * ``load_transform(cache, codec, slots)`` (``read_rows`` + ``unpack`` + ``dequantize``): each component's
       code from the two bytes that hold it, its centroid times the gain: ``y_hat [*slots.shape, G, D]``
       float32.
@@ -208,7 +208,8 @@ def _load_kernel(
     b_v = tl.load(books_ptr + (i_g * D + o_d[None, :]) * L + b_code, mask=m, other=0.0)
     if GAIN:
         p_gain = cache_ptr + b_s * ROW + b_goff + tl.load(nbytes_ptr + i_g)  # [BT]
-        b_h = tl.load(p_gain, mask=m_t, other=0).to(tl.int32) | (tl.load(p_gain + 1, mask=m_t, other=0).to(tl.int32) << 8)
+        b_lo = tl.load(p_gain, mask=m_t, other=0).to(tl.int32)
+        b_h = b_lo | (tl.load(p_gain + 1, mask=m_t, other=0).to(tl.int32) << 8)  # the fp16 gain's bits
         b_gain = b_h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         b_v = b_v * b_gain[:, None]
     tl.store(out_ptr + (o_t[:, None] * G + i_g) * D + o_d[None, :], b_v, mask=m)
