@@ -122,3 +122,18 @@ def test_a_prompt_that_cannot_be_stored_leaves_every_layer_as_it_was(device):
         model.set_attn_implementation("sdpa")
     assert [layer.length for layer in cache.layers] == [3, 3]
     assert [layer.seq_lens.tolist() for layer in cache.layers] == [[3], [3]]
+
+
+def test_perplexity_through_the_fused_decode_equals_the_materialising_cache():
+    """kvlab.perplexity with every scored token one decode step over the transform codes (keys before RoPE)."""
+    import kvlab
+
+    model = tiny_model(layers=1)
+    kv = random_kv(model, 1, True)
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+    paged = lambda: PagedKVCache(KVFormat("transform"), config=model.config, batch_size=1, max_length=64, transform=kv)
+    materialising = lambda: KVCache(KVFormat("transform"), config=model.config, transform=kv, dtype=torch.float32)
+    a = kvlab.perplexity(model, ids, window=32, stride=16, chunk=1, cache=paged)
+    b = kvlab.perplexity(model, ids, window=32, stride=16, chunk=1, cache=materialising)
+    assert a.tokens == b.tokens == 16 and a.nll == pytest.approx(b.nll, rel=1e-4)
+    assert a.bits_per_element == b.bits_per_element == kv.bits_per_element()
