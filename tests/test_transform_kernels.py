@@ -72,6 +72,22 @@ def test_store_and_load_equal_the_reference(groups, dim, bits, gain, tokens, dev
     assert both.shape == (2, keep.shape[0], groups, dim) and torch.equal(both[1].cpu(), ref.flip(0))
 
 
+def test_compiled_tiling_under_the_interpreter(monkeypatch):
+    """The tiles a GPU launch uses (2048 elements a program: a few tokens each) give the same bytes and values."""
+    from kvlab.transform import triton as K
+
+    monkeypatch.setattr(K, "INTERPRETED_BLOCK_ELEMENTS", K.BLOCK_ELEMENTS)
+    codec = random_codec(3, 200, "0-8", True)
+    y = random_y(37, 3, 200)
+    cache = torch.zeros(40, codec.row_bytes, dtype=torch.uint8)
+    slots = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:37]
+    store_transform(y, codec, cache, slots)
+    expect = torch.zeros_like(cache)
+    R.write_rows(expect, slots, R.pack(codec, *R.quantize(codec, y)))
+    assert torch.equal(cache, expect)
+    assert torch.equal(load_transform(cache, codec, slots), R.dequantize(codec, *R.quantize(codec, y)))
+
+
 def test_paged_cache_round_trip(device):
     """api.store / api.load (their own matrix products) against the reference's encode / decode on the CPU."""
     codec = random_codec(3, 16, "0-5", True, seed=3)

@@ -21,6 +21,8 @@ Layout: ``kvlab.transform.codec``. On a CPU the kernels run in Triton's interpre
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,14 @@ from .codec import TransformCodec
 __all__ = ["load_transform", "store_transform"]
 
 BLOCK_TOKENS = 32
-BLOCK_ELEMENTS = 8192  # tokens x lanes of one program
+# tokens x lanes of one program: compiled for sm_90 with 4 warps, 2048 keep the store and the load under 170 registers
+# a thread without spills (8192: 255 registers and spills); the interpreter is fastest with few, large programs
+BLOCK_ELEMENTS, INTERPRETED_BLOCK_ELEMENTS = 2048, 8192
+
+
+def _block_elements(device) -> int:
+    interpreted = torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return INTERPRETED_BLOCK_ELEMENTS if interpreted else BLOCK_ELEMENTS
 
 
 # ----------------------------------------------------------------------------- device tables
@@ -166,7 +175,7 @@ def store_transform(y: torch.Tensor, codec: TransformCodec, cache: torch.Tensor,
     t = _tables(codec, y.device)
     bd = triton.next_power_of_2(codec.dim)
     bnb = triton.next_power_of_2(t["max_code_bytes"])
-    bt = max(1, min(BLOCK_TOKENS, BLOCK_ELEMENTS // max(bd, bnb)))
+    bt = max(1, min(BLOCK_TOKENS, _block_elements(y.device) // max(bd, bnb)))
     _store_kernel[(triton.cdiv(tokens, bt), codec.groups)](
         y.contiguous(), t["bounds"], t["part_idx"], t["part_rel"], t["group_offsets"], t["code_bytes"],
         slot_mapping.contiguous(), cache,
@@ -229,7 +238,7 @@ def load_transform(cache: torch.Tensor, codec: TransformCodec, slots: torch.Tens
     if n:
         t = _tables(codec, cache.device)
         bd = triton.next_power_of_2(codec.dim)
-        bt = max(1, min(BLOCK_TOKENS, BLOCK_ELEMENTS // bd))
+        bt = max(1, min(BLOCK_TOKENS, _block_elements(cache.device) // bd))
         _load_kernel[(triton.cdiv(n, bt), codec.groups)](
             cache, flat, t["books"], t["bits"], t["offsets"], t["group_offsets"], t["code_bytes"], out,
             n, codec.groups, codec.dim, t["levels"], codec.row_bytes, GAIN=codec.gain, BT=bt, BD=bd)
