@@ -1,8 +1,8 @@
 """Decode attention over the transform codec's paged cache against the MSE codec and torch SDPA in fp16 (GPU).
 
-One run: runs ``tests/test_transform_attention.py`` and ``tests/test_transform_kernels.py`` compiled on this GPU,
+One run: runs the transform codec's kernel, cache and generation tests (``tests/test_transform_*.py``) compiled on this GPU,
 checks ``kvlab.transform.attention.decode_attention`` against its reference at a few thousand tokens (and
-refuses to time if that fails), then times one decode step at batch 8 and contexts 4k and 32k for two shapes:
+refuses to time if that fails), then times one decode step at batch 8 and contexts 8k and 32k for two shapes:
 
 * SmolLM2-135M's layer: 3 KV heads, 9 query heads, head dimension 64, one joint transform over the heads
   (192 numbers per token), as calibrated on the page "A transform codec at three and a half bits";
@@ -45,7 +45,7 @@ from kvlab.transform.attention import decode_attention  # noqa: E402
 SHAPES = {  # name: (KV heads, query heads, head dim, groups)
     "SmolLM2-135M layer (joint transform)": (3, 9, 64, 1),
 }
-BATCH, CONTEXTS, BLOCK = 8, (4096, 32768), 16
+BATCH, CONTEXTS, BLOCK = 8, (8192, 32768), 16
 
 
 def random_codec(width, groups, seed, device):
@@ -110,7 +110,8 @@ def main() -> int:
     from benchmarks.common import bench_graph, run_tests, write_csv
     from kvlab.decode import decode_attention as mse_decode
 
-    tests = run_tests(["tests/test_transform_attention.py", "tests/test_transform_kernels.py"], args.tests_log)
+    tests = run_tests(["tests/test_transform_attention.py", "tests/test_transform_kernels.py",
+                       "tests/test_transform_cache.py", "tests/test_transform_generate.py"], args.tests_log)
     print("tests:", tests["summary"], flush=True)
     err = check("cuda")
     print(f"check: relative error {err:.2e}", flush=True)

@@ -467,7 +467,7 @@ class _TransformStore(_MSEStore):
         self.tokens = 0
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        from .transform import reference as TR, triton as TK
+        from .transform import api as TA, reference as TR, triton as TK
 
         batch, heads, n, dim = k.shape
         stop = self.tokens + n
@@ -475,37 +475,37 @@ class _TransformStore(_MSEStore):
         if self.rope is not None:
             pos = self._positions(self.tokens, stop)[:, None]
             rows_k = self.rope.undo(rows_k, pos).to(k.device, torch.float32)
+        rows_k = rows_k.reshape(batch * n, heads * dim)
         rows_v = v.transpose(1, 2).reshape(batch * n, heads * dim)
-        ys = [TR.transform(self.key_codec, rows_k.reshape(batch * n, heads * dim)),
-              TR.transform(self.value_codec, rows_v)]
+        M = TA if self.backend == "triton" else TR  # the same matrix products and checks, kernels or oracle
+        ys = [M.transform(self.key_codec, rows_k), M.transform(self.value_codec, rows_v)]
         for name, codec, y in (("key_states", self.key_codec, ys[0]), ("value_states", self.value_codec, ys[1])):
-            TR.check_gains(codec, y, name)  # both checked before anything is written
+            M.check_gains(codec, y, name)  # both checked before anything is written
         grow = self._new_blocks(stop)
         self.k_cache, self.v_cache = self._grow(self.k_cache, grow), self._grow(self.v_cache, grow)
         self.cache = self.k_cache
         slots = self._slots(self.tokens, stop)
         for codec, cache, y in ((self.key_codec, self.k_cache, ys[0]), (self.value_codec, self.v_cache, ys[1])):
-            flat = cache.view(-1, codec.row_bytes)
             if self.backend == "triton":
-                TK.pack_rows(*TK.quantize_rows(y.contiguous(), codec), codec, flat, slots)
+                TK.store_transform(y, codec, cache, slots)
             else:
-                TR.write_rows(flat, slots, TR.pack(codec, *TR.quantize(codec, y)))
+                TR.write_rows(cache.view(-1, codec.row_bytes), slots, TR.pack(codec, *TR.quantize(codec, y)))
         self.tokens = stop
 
     def read(self, dtype: torch.dtype):
-        from .transform import reference as TR, triton as TK
+        from .transform import api as TA, reference as TR, triton as TK
 
         if (stored := self._stored()) is None:
             return None, None
         batch, n, slots = stored
         out = []
         for codec, cache in ((self.key_codec, self.k_cache), (self.value_codec, self.v_cache)):
-            flat = cache.view(-1, codec.row_bytes)
             if self.backend == "triton":
-                y_hat = TK.load_rows(flat, codec, slots)
+                x = TA.untransform(codec, TK.load_transform(cache, codec, slots))
             else:
-                y_hat = TR.dequantize(codec, *TR.unpack(codec, TR.read_rows(flat, slots)))
-            out.append(TR.untransform(codec, y_hat).reshape(batch * n, self.num_heads, self.head_dim))
+                rows = TR.read_rows(cache.view(-1, codec.row_bytes), slots)
+                x = TR.untransform(codec, TR.dequantize(codec, *TR.unpack(codec, rows)))
+            out.append(x.reshape(batch * n, self.num_heads, self.head_dim))
         k, v = out
         if self.rope is not None:
             k = self.rope.apply(k, self._positions(0, n)[:, None]).to(v.device, torch.float32)
@@ -772,6 +772,24 @@ class KVCacheLayer(CacheLayerMixin):
 # ----------------------------------------------------------------------------- the cache
 
 
+def check_transform(transform, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    """``transform`` must be a ``kvlab.transform.TransformKV`` with codecs for every layer of the model's shape."""
+    from .transform import TransformKV
+
+    if not isinstance(transform, TransformKV):
+        raise TypeError(f"transform must be a kvlab.transform.TransformKV (kvlab.transform.calibration.calibrate), "
+                        f"got {type(transform).__name__}")
+    if transform.layers != num_layers:
+        raise ValueError(f"transform has codecs for {transform.layers} layers, the model has {num_layers}")
+    for part, codecs in (("keys", transform.keys), ("values", transform.values)):
+        for i, c in enumerate(codecs):
+            if c.groups * c.dim != num_kv_heads * head_dim:
+                raise ValueError(f"transform.{part}[{i}] codes {c.groups} x {c.dim} numbers per token, the "
+                                 f"model's layer holds {num_kv_heads} x {head_dim}")
+    if transform.rope is not None and transform.rope.dim != head_dim:
+        raise ValueError(f"transform.rope rotates {transform.rope.dim} channels, the model's heads have {head_dim}")
+
+
 def model_shape(config, who: str = "KVCache") -> tuple[int, int, int]:
     """``(layers, KV heads, head_dim)`` of a transformers config; ValueError unless every layer is full attention."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -859,20 +877,7 @@ class KVCache(Cache):
                              "KVCache(..., key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
 
         if transform is not None:
-            from .transform import TransformKV
-
-            if not isinstance(transform, TransformKV):
-                raise TypeError(f"transform must be a kvlab.transform.TransformKV (kvlab.transform.calibration.calibrate), "
-                                f"got {type(transform).__name__}")
-            if transform.layers != num_layers:
-                raise ValueError(f"transform has codecs for {transform.layers} layers, the model has {num_layers}")
-            for part, codecs in (("keys", transform.keys), ("values", transform.values)):
-                for i, c in enumerate(codecs):
-                    if c.groups * c.dim != num_kv_heads * head_dim:
-                        raise ValueError(f"transform.{part}[{i}] codes {c.groups} x {c.dim} numbers per token, the "
-                                         f"model's layer holds {num_kv_heads} x {head_dim}")
-            if transform.rope is not None and transform.rope.dim != head_dim:
-                raise ValueError(f"transform.rope rotates {transform.rope.dim} channels, the model's heads have {head_dim}")
+            check_transform(transform, num_layers, num_kv_heads, head_dim)
         elif any(f.codec == "transform" for f in formats):
             raise ValueError("KVFormat('transform') needs the calibrated codecs: "
                              "KVCache(..., transform=kvlab.transform.calibration.calibrate(model, calibration_ids))")

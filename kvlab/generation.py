@@ -33,8 +33,11 @@ What
 
 Formats
     The fused decode reads MSE caches (``KVFormat("mse", kb, vb)``, 2, 3 or 4 bits each, Haar or
-    Hadamard rotation) and token-axis affine caches (``KVFormat("affine", kb, vb)``, 4 or 8 bits
-    each), head dims 64, 128 and 256. Other formats (fp16, channel-axis keys, mixed bits per head,
+    Hadamard rotation), token-axis affine caches (``KVFormat("affine", kb, vb)``, 4 or 8 bits
+    each) and transform-codec caches (``KVFormat("transform")`` with ``transform=``, the calibrated
+    ``kvlab.transform.TransformKV``: ``kvlab.transform.attention.decode_attention`` scores keys coded
+    after RoPE in the transformed space, decodes keys coded before RoPE per tile; a continuation decodes
+    the context), head dims 64, 128 and 256. Other formats (fp16, channel-axis keys, mixed bits per head,
     centred keys, other head dims) generate through ``kvlab.KVCache``, which decodes the stored
     tokens for every step (the materialising path); ``kvlab.generate`` picks it for them and says so
     in ``GenerateOutput.path``.
@@ -62,7 +65,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _checks as C
-from .cache import KVCache, KVFormat, model_shape
+from .cache import KVCache, KVFormat, check_transform, model_shape
 from .decode import AffineSlot, _AffineStoreStep, _DecodeStep, decode_attention, prefill_attention, store_affine_slots
 from .layout import MSESlot
 from .mse import _MSEStoreStep, store_mse
@@ -86,7 +89,7 @@ def fused_support(fmt: KVFormat, head_dim: int) -> str | None:
         raise TypeError(f"fmt must be a kvlab.KVFormat, got {type(fmt).__name__}")
     if head_dim not in HEAD_DIMS:
         return f"the fused decode reads head dims {HEAD_DIMS}, the model's is {head_dim}"
-    if fmt.codec == "mse":
+    if fmt.codec in ("mse", "transform"):
         return None
     if fmt.codec == "affine":
         if fmt.mixed:
@@ -96,10 +99,24 @@ def fused_support(fmt: KVFormat, head_dim: int) -> str | None:
         if fmt.key_bits not in AFFINE_BITS or fmt.value_bits not in AFFINE_BITS:
             return f"the fused decode reads affine codes of {AFFINE_BITS} bits"
         return None
-    return f"the fused decode reads 'mse' and 'affine' caches, not {fmt.codec!r}"
+    return f"the fused decode reads 'mse', 'affine' and 'transform' caches, not {fmt.codec!r}"
 
 
 # ----------------------------------------------------------------------------- the cache
+
+
+def _rope(rope, x: torch.Tensor, positions: torch.Tensor, undo: bool) -> torch.Tensor:
+    """RoPE (``undo``: its inverse) of ``x [N, H, D]`` at ``positions [N]``, in float64 on ``x``'s device (no host
+    sync, so that a decode step can be captured in a CUDA graph): float32."""
+    angle = positions.to(x.device, torch.float64)[:, None] * rope.inv_freq.to(x.device)
+    angle = torch.cat([angle, angle], -1)[:, None]  # [N, 1, D]
+    cos, sin = rope.scaling * angle.cos(), rope.scaling * angle.sin()
+    x = x.double()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    if undo:
+        return ((x * cos - rotated * sin) / rope.scaling**2).float()
+    return (x * cos + rotated * sin).float()
 
 
 class PagedKVCacheLayer(CacheLayerMixin):
@@ -115,8 +132,15 @@ class PagedKVCacheLayer(CacheLayerMixin):
         self.owner, self.layer_idx, self.batch_size = weakref.proxy(owner), layer_idx, owner.batch
         self.length = 0  # tokens given per sequence, padding included (the model's view of the cache)
         o = owner
-        self.cache = torch.zeros(o.batch * o.max_blocks, o.block_size, o.num_kv_heads, o.slot_bytes,
-                                 dtype=torch.uint8, device=o.device)
+        if o.kind == "transform":  # keys and values in two caches of the layer's codec rows
+            self.key_codec, self.value_codec = o.transform.keys[layer_idx], o.transform.values[layer_idx]
+            self.k_cache, self.v_cache = (torch.zeros(o.batch * o.max_blocks, o.block_size, c.row_bytes,
+                                                      dtype=torch.uint8, device=o.device)
+                                          for c in (self.key_codec, self.value_codec))
+            self.cache = self.k_cache
+        else:
+            self.cache = torch.zeros(o.batch * o.max_blocks, o.block_size, o.num_kv_heads, o.slot_bytes,
+                                     dtype=torch.uint8, device=o.device)
         self.seq_lens = torch.zeros(o.batch, dtype=torch.int32, device=o.device)  # tokens stored per sequence
         self._store_step, self._decode_steps = None, {}  # a decode step's launches, prepared on first use
         self.is_initialized = True
@@ -171,6 +195,11 @@ class PagedKVCacheLayer(CacheLayerMixin):
             raise ValueError(f"the cache holds max_length={o.max_length} tokens per sequence; it holds {self.length} "
                              f"and was given {n} more")
         slots = self._slots(n, valid)
+        if o.kind == "transform":
+            self._store_transform(key, value, slots, n, valid)
+            self.seq_lens += n if valid is None else valid.sum(1, dtype=torch.int32)
+            self.length += n
+            return
         dtype = key.dtype if key.dtype in COMPUTE_DTYPES else torch.float16
         k = key.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         v = value.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
@@ -215,11 +244,54 @@ class PagedKVCacheLayer(CacheLayerMixin):
         else:
             write_affine_slots(self.cache, slots, k, v, o.key_codec, o.value_codec)
 
+    def _store_transform(self, key, value, slots, n: int, valid) -> None:
+        """Keys (RoPE undone at their positions when the codecs code keys before RoPE) and values through the
+        transform codec. A prompt or a continuation is checked first (both parts' gains, host syncs) and undone in
+        every layer if it fails; a decode step is neither checked nor synced."""
+        from .transform import api as TA, reference as TR, triton as TK
+
+        o = self.owner
+        batch, heads, _, dim = key.shape
+        k = key.transpose(1, 2).reshape(batch * n, heads, dim).float()
+        v = value.transpose(1, 2).reshape(batch * n, heads * dim).float()
+        if o.transform.rope is not None:
+            rank = torch.arange(n, device=o.device).expand(batch, n) if valid is None else valid.int().cumsum(1) - 1
+            k = _rope(o.transform.rope, k, (self.seq_lens[:, None] + rank).clamp_min(0).reshape(-1), undo=True)
+        k = k.reshape(batch * n, heads * dim)
+        M = TA if o.backend == "triton" else TR
+        ys = (M.transform(self.key_codec, k), M.transform(self.value_codec, v))
+        if not (n == 1 and valid is None):
+            if self.layer_idx == 0:
+                o._undo = []
+            o._undo.append((self, self.length, self.seq_lens.clone()))
+            try:
+                keep = slots >= 0
+                for name, x, codec, y in (("key_states", key, self.key_codec, ys[0]),
+                                          ("value_states", value, self.value_codec, ys[1])):
+                    C.check_finite(name, x)
+                    M.check_gains(codec, y[keep], name)
+            except ValueError:
+                o._rollback()
+                raise
+        for codec, cache, y in ((self.key_codec, self.k_cache, ys[0]), (self.value_codec, self.v_cache, ys[1])):
+            if o.backend == "triton":
+                TK.store_transform(y, codec, cache, slots)
+            else:
+                TR.write_rows(cache.view(-1, codec.row_bytes), slots, TR.pack(codec, *TR.quantize(codec, y)))
+
     def decode(self, q: torch.Tensor, scale: float, block_table=None, seq_lens=None, backend=None) -> torch.Tensor:
         """Attention of ``q [B, Hq, D]`` (one token per sequence) over the stored tokens: ``[B, Hq, D]``."""
         o = self.owner
         table = o.block_table if block_table is None else block_table
         lens = self.seq_lens if seq_lens is None else seq_lens
+        if o.kind == "transform":
+            from .transform import reference as TR
+            from .transform.attention import decode_attention as transform_decode
+
+            args = (q, self.k_cache, self.v_cache, table, lens, self.key_codec, self.value_codec)
+            if (backend or o.backend) == "reference":
+                return TR.decode_attention(*args, scale=scale, rope=o.transform.rope).to(q.dtype)
+            return transform_decode(*args, scale=scale, rope=o.transform.rope, check=False).to(q.dtype)
         if (backend or o.backend) == "reference":
             out = decode_attention_reference(q, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale)
             return out.to(q.dtype)
@@ -239,6 +311,8 @@ class PagedKVCacheLayer(CacheLayerMixin):
         o = self.owner
         table = o.block_table if block_table is None else block_table
         lens = self.seq_lens if seq_lens is None else seq_lens
+        if o.kind == "transform":
+            return self._prefill_transform(q, scale, table, lens, backend or o.backend)
         if (backend or o.backend) == "reference":
             out = prefill_attention_reference(q, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale)
             return out.to(q.dtype)
@@ -246,11 +320,46 @@ class PagedKVCacheLayer(CacheLayerMixin):
         out = prefill_attention(qh, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale)
         return out.to(q.dtype)
 
+    def _prefill_transform(self, q, scale, table, lens, backend) -> torch.Tensor:
+        """The transform cache's continuation: every sequence's stored keys and values decoded (RoPE applied at their
+        positions), then causal attention in float32, the ``n`` queries being the last ``n`` stored tokens."""
+        from .transform import api as TA, reference as TR, triton as TK
+
+        o = self.owner
+        batch, n, q_heads, dim = q.shape
+        out = torch.empty(batch, n, q_heads, dim, dtype=torch.float32, device=q.device)
+        for b in range(batch):
+            m = int(lens[b])
+            t = torch.arange(m, device=q.device)
+            slots = table[b, t // o.block_size].long() * o.block_size + t % o.block_size
+            kv = []
+            for codec, cache in ((self.key_codec, self.k_cache), (self.value_codec, self.v_cache)):
+                if backend == "triton":
+                    x = TA.untransform(codec, TK.load_transform(cache, codec, slots))
+                else:
+                    x = TR.untransform(codec, TR.dequantize(codec, *TR.unpack(codec, TR.read_rows(cache, slots))))
+                kv.append(x.view(m, o.num_kv_heads, dim))
+            k, v = kv
+            if o.transform.rope is not None:
+                k = _rope(o.transform.rope, k, t, undo=False)
+            group = q_heads // o.num_kv_heads
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [m, Hq, D]
+            s = torch.einsum("ihd,jhd->hij", q[b].float(), k) * scale  # [Hq, n, m]
+            causal = t[None, :] <= (m - n + torch.arange(n, device=q.device))[:, None]  # [n, m]
+            s = s.masked_fill(~causal, float("-inf"))
+            out[b] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v)
+        return out.to(q.dtype)
+
     def nbytes(self) -> int:
         """Bytes of the slots that hold tokens."""
-        return int(self.seq_lens.sum()) * self.owner.num_kv_heads * self.owner.slot_bytes
+        o = self.owner
+        if o.kind == "transform":
+            return int(self.seq_lens.sum()) * (self.key_codec.row_bytes + self.value_codec.row_bytes)
+        return int(self.seq_lens.sum()) * o.num_kv_heads * o.slot_bytes
 
     def allocated_nbytes(self) -> int:
+        if self.owner.kind == "transform":
+            return self.k_cache.numel() + self.v_cache.numel()
         return self.cache.numel()
 
 
@@ -266,7 +375,7 @@ class PagedKVCache(Cache):
     """
 
     def __init__(self, fmt: KVFormat, *, config, batch_size: int, max_length: int, device=None, block_size: int = 16,
-                 backend: str = "auto"):
+                 backend: str = "auto", transform=None):
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a kvlab.KVFormat, got {type(fmt).__name__}")
         num_layers, num_kv_heads, head_dim = model_shape(config, "PagedKVCache")
@@ -282,7 +391,17 @@ class PagedKVCache(Cache):
         self.batch, self.max_length, self.block_size, self.device = batch_size, max_length, block_size, device
         self.backend = ("triton" if device.type == "cuda" else "reference") if backend == "auto" else backend
         self.max_blocks = -(-max_length // block_size)
-        if fmt.codec == "mse":
+        self.transform = None
+        if fmt.codec == "transform" or transform is not None:
+            if fmt.codec != "transform":
+                raise ValueError(f"transform is for KVFormat('transform'), not {fmt!r}")
+            if transform is None:
+                raise ValueError("KVFormat('transform') needs the calibrated codecs: PagedKVCache(..., "
+                                 "transform=kvlab.transform.calibration.calibrate(model, calibration_ids))")
+            check_transform(transform, num_layers, num_kv_heads, head_dim)
+            self.kind, self.transform = "transform", transform.to(device)
+            self.key_codec = self.value_codec = self.layout = self.slot_bytes = None  # per layer: the layers' codecs
+        elif fmt.codec == "mse":
             self.kind = "mse"
             self.key_codec = MSECodec(head_dim, fmt.key_bits, rotation=fmt.rotation, seed=fmt.seed)
             self.value_codec = MSECodec(head_dim, fmt.value_bits, rotation=fmt.rotation, seed=fmt.seed)
@@ -292,7 +411,8 @@ class PagedKVCache(Cache):
             self.key_codec = AffineCodec(fmt.key_bits, fmt.group_size, "token")
             self.value_codec = AffineCodec(fmt.value_bits, fmt.group_size, "token")
             self.layout = AffineSlot(head_dim, fmt.key_bits, fmt.value_bits, fmt.group_size)
-        self.slot_bytes = self.layout.slot_bytes
+        if self.layout is not None:
+            self.slot_bytes = self.layout.slot_bytes
         # sequence b owns blocks [b * max_blocks, (b + 1) * max_blocks): one table for every layer
         self.block_table = torch.arange(batch_size * self.max_blocks, dtype=torch.int32, device=device).view(
             batch_size, self.max_blocks)
@@ -337,7 +457,9 @@ class PagedKVCache(Cache):
 
     @property
     def bits_per_element(self) -> float:
-        """Bits per stored K/V element, codes and their metadata (the format's)."""
+        """Bits per stored K/V element, codes and their metadata (the format's, or the transform codecs')."""
+        if self.kind == "transform":
+            return self.transform.bits_per_element()
         return self.fmt.bits_per_element(self.head_dim)
 
     def held_bits_per_element(self) -> float:
@@ -448,7 +570,8 @@ def _next_token(logits: torch.Tensor, do_sample: bool, temperature: float, gener
 def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int, *, attention_mask=None,
              do_sample: bool = False, temperature: float = 1.0, generator: torch.Generator | None = None,
              eos_token_id: int | None = None, pad_token_id: int | None = None, cuda_graph: bool | None = None,
-             backend: str = "auto", block_size: int = 16, max_length: int | None = None) -> GenerateOutput:
+             backend: str = "auto", block_size: int = 16, max_length: int | None = None,
+             transform=None) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per sequence with the KV cache stored as ``fmt``.
 
     ``input_ids`` ``[B, T]`` (left-padded where ``attention_mask`` ``[B, T]`` has zeros). Formats the
@@ -457,6 +580,8 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     (default: on a CUDA device with the fused path) replays each decode step of the whole model from
     one CUDA graph. Greedy by default; ``do_sample`` samples from ``softmax(logits / temperature)``.
     After ``eos_token_id`` a sequence's tokens are ``pad_token_id`` (default: the EOS id).
+    ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``); its
+    decode steps replay from a CUDA graph only when ``cuda_graph=True`` is asked for.
     """
     C.check_tensor("input_ids", input_ids, (torch.int64, torch.int32))
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -485,17 +610,17 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         raise ValueError(f"max_length ({max_length}) must hold the prompt and the new tokens ({total})")
     fused_here = why is None
     if cuda_graph is None:
-        cuda_graph = fused_here and device.type == "cuda"
+        cuda_graph = fused_here and device.type == "cuda" and fmt.codec != "transform"
     if cuda_graph and not (fused_here and device.type == "cuda"):
         raise ValueError("cuda_graph=True needs the fused path on a CUDA device")
     previous = config._attn_implementation
     if why is None:
         cache = PagedKVCache(fmt, config=config, batch_size=batch, max_length=max_length, device=device,
-                             block_size=block_size, backend=backend)
+                             block_size=block_size, backend=backend, transform=transform)
         model.set_attn_implementation(ATTENTION)
         path = "fused"
     else:
-        cache = KVCache(fmt, config=config, backend=backend)
+        cache = KVCache(fmt, config=config, backend=backend, transform=transform)
         model.set_attn_implementation("sdpa")
         path = "materialising"
     try:

@@ -4,16 +4,15 @@ import pytest
 import torch
 
 from kvlab import RoPE
-from kvlab.transform import TransformCodec, api
+from kvlab.transform import TransformCodec
 from kvlab.transform import reference as R
 from kvlab.transform.attention import decode_attention
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU: Triton's interpreter
 
 CASES = [  # batch, KV heads, query heads per KV head, head_dim, groups ("joint" 1 / per head), block size, lengths
     (2, 3, 3, 64, 1, 16, (37, 100)),
     (1, 2, 1, 32, 2, 8, (1,)),
     (3, 1, 4, 16, 1, 16, (64, 5, 33)),
+    (2, 3, 1, 16, 3, 8, (63, 17)),  # a transform per head, no query grouping
 ]
 
 
@@ -25,46 +24,102 @@ def codec(width, groups, seed, max_bits=4):
     bits = torch.randint(0, max_bits + 1, (groups, dim), generator=g)
     books = torch.sort(torch.randn(groups, dim, 1 << max_bits, generator=g), -1).values
     return TransformCodec(torch.randn(groups, dim, generator=g) * 0.3, q.contiguous(), q.transpose(1, 2).contiguous(),
-                          bits, books, True).to(DEVICE)
+                          bits, books, True)
 
 
 @pytest.mark.parametrize("pre_rope", [False, True])
 @pytest.mark.parametrize("batch,heads,group,dim,groups,page,lens", CASES)
-def test_equals_the_reference(batch, heads, group, dim, groups, page, lens, pre_rope):
+def test_equals_the_reference(batch, heads, group, dim, groups, page, lens, pre_rope, device):
     width = heads * dim
     kc, vc = codec(width, groups, 1), codec(width, groups, 2)
     g = torch.Generator().manual_seed(3)
     max_blocks = -(-max(lens) // page) + 1
     blocks = batch * max_blocks
-    table = torch.randperm(blocks, generator=g).view(batch, max_blocks).int().to(DEVICE)
-    k_cache = torch.zeros(blocks, page, kc.row_bytes, dtype=torch.uint8, device=DEVICE)
-    v_cache = torch.zeros(blocks, page, vc.row_bytes, dtype=torch.uint8, device=DEVICE)
+    table = torch.randperm(blocks, generator=g).view(batch, max_blocks).int()
+    k_cache = torch.zeros(blocks, page, kc.row_bytes, dtype=torch.uint8)
+    v_cache = torch.zeros(blocks, page, vc.row_bytes, dtype=torch.uint8)
     for b, n in enumerate(lens):
-        t = torch.arange(n, device=DEVICE)
+        t = torch.arange(n)
         slots = table[b, t // page].long() * page + t % page
-        api.store(torch.randn(n, width, generator=g).to(DEVICE), kc, k_cache, slots)
-        api.store(torch.randn(n, width, generator=g).to(DEVICE), vc, v_cache, slots)
-    q = torch.randn(batch, heads * group, dim, generator=g).to(DEVICE)
+        R.write_rows(k_cache.view(-1, kc.row_bytes), slots, R.encode(kc, torch.randn(n, width, generator=g)))
+        R.write_rows(v_cache.view(-1, vc.row_bytes), slots, R.encode(vc, torch.randn(n, width, generator=g)))
+    q = torch.randn(batch, heads * group, dim, generator=g)
     rope = RoPE(1e4 ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)) if pre_rope else None
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
     ref = R.decode_attention(q, k_cache, v_cache, table, lens_t, kc, vc, scale=dim**-0.5, rope=rope, first_position=2)
+    on = lambda *ts: [t.to(device) for t in ts]
     for splits in (None, 3):
-        out = decode_attention(q, k_cache, v_cache, table, lens_t, kc, vc, scale=dim**-0.5, rope=rope,
-                               first_position=2, splits=splits)
+        out = decode_attention(*on(q, k_cache, v_cache, table, lens_t), kc.to(device), vc.to(device),
+                               scale=dim**-0.5, rope=rope, first_position=2, splits=splits).cpu()
         err = (out - ref).norm() / ref.norm()
         assert err < 5e-3, f"relative error {err:.2e}"
 
 
-def test_bad_arguments():
+BAD = [  # case, error, message
+    ("codec", TypeError, "key_codec must be"),
+    ("q_heads", ValueError, "not a multiple"),
+    ("q_shape", ValueError, "q must be"),
+    ("q_dtype", TypeError, "q must have dtype"),
+    ("q_nan", ValueError, "q holds NaN"),
+    ("width", ValueError, "both must be KV heads x head_dim"),
+    ("table_batch", ValueError, "block_table must be"),
+    ("table_dtype", TypeError, "block_table must have dtype"),
+    ("table_entry", ValueError, "block_table's entries"),
+    ("lens_zero", ValueError, r"seq_lens must be in \[1, 32\]"),
+    ("lens_long", ValueError, r"seq_lens must be in \[1, 32\]"),
+    ("cache_bytes", ValueError, "k_cache must have last dimension"),
+    ("cache_blocks", ValueError, "k_cache and v_cache must have the same"),
+    ("scale", ValueError, "scale must be a positive"),
+    ("rope", TypeError, "rope must be None or a kvlab.RoPE"),
+    ("rope_dim", ValueError, "rope rotates 16 channels"),
+    ("splits", ValueError, "splits must be >= 1"),
+    ("check", TypeError, "check must be a bool"),
+]
+
+
+@pytest.mark.parametrize("case,error,match", BAD)
+def test_bad_arguments(case, error, match, device):
     kc = codec(64, 1, 1)
-    cache = torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8, device=DEVICE)
-    table = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([3], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(TypeError, match="key_codec"):
-        decode_attention(torch.randn(1, 2, 32, device=DEVICE), cache, cache, table, lens, "codec", kc, scale=1.0)
-    with pytest.raises(ValueError, match="not a multiple"):
-        decode_attention(torch.randn(1, 3, 32, device=DEVICE), cache, cache, table, lens, kc, kc, scale=1.0)
-    with pytest.raises(ValueError, match="q must be"):
-        decode_attention(torch.randn(2, 32, device=DEVICE), cache, cache, table, lens, kc, kc, scale=1.0)
-    with pytest.raises(ValueError, match="block_table"):
-        decode_attention(torch.randn(2, 2, 32, device=DEVICE), cache, cache, table, lens, kc, kc, scale=1.0)
+    args = dict(q=torch.randn(1, 2, 32), k_cache=torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8),
+                v_cache=torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8), block_table=torch.tensor([[1, 0]]),
+                seq_lens=torch.tensor([20]), key_codec=kc, value_codec=kc)
+    kwargs = dict(scale=1.0)
+    if case == "codec":
+        args["key_codec"] = "codec"
+    elif case == "q_heads":
+        args["q"] = torch.randn(1, 3, 32)
+    elif case == "q_shape":
+        args["q"] = torch.randn(2, 32)
+    elif case == "q_dtype":
+        args["q"] = args["q"].double()
+    elif case == "q_nan":
+        args["q"][0, 1, 2] = float("nan")
+    elif case == "width":
+        args["q"] = torch.randn(1, 2, 48)
+    elif case == "table_batch":
+        args["q"] = torch.randn(2, 2, 32)
+    elif case == "table_dtype":
+        args["block_table"] = args["block_table"].float()
+    elif case == "table_entry":
+        args["block_table"] = torch.tensor([[1, 2]])
+    elif case == "lens_zero":
+        args["seq_lens"] = torch.tensor([0])
+    elif case == "lens_long":
+        args["seq_lens"] = torch.tensor([33])
+    elif case == "cache_bytes":
+        args["k_cache"] = torch.zeros(2, 16, kc.row_bytes + 1, dtype=torch.uint8)
+    elif case == "cache_blocks":
+        args["v_cache"] = torch.zeros(3, 16, kc.row_bytes, dtype=torch.uint8)
+    elif case == "scale":
+        kwargs["scale"] = 0.0
+    elif case == "rope":
+        kwargs["rope"] = "rope"
+    elif case == "rope_dim":
+        kwargs["rope"] = RoPE(torch.ones(8, dtype=torch.float64))
+    elif case == "splits":
+        kwargs["splits"] = 0
+    elif case == "check":
+        kwargs["check"] = 1
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    with pytest.raises(error, match=match):
+        decode_attention(**args, **kwargs)

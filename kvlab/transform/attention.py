@@ -204,11 +204,14 @@ def _transform_decode_kernel(
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, key_codec: TransformCodec, value_codec: TransformCodec, *,
-                     scale: float, rope=None, first_position: int = 0, splits: int | None = None) -> torch.Tensor:
+                     scale: float, rope=None, first_position: int = 0, splits: int | None = None,
+                     check: bool = True) -> torch.Tensor:
     """One decode step (module docstring): ``q [B, Hq, D]`` -> ``[B, Hq, D]`` float32.
 
     ``rope``: a ``kvlab.RoPE`` when the keys were coded before RoPE (token ``t`` at position ``first_position +
-    t``). ``splits``: parallel splits of the context (default: enough to fill a GPU)."""
+    t``). ``splits``: parallel splits of the context (default: enough to fill a GPU). ``check`` (one host sync):
+    ``q`` finite, every ``seq_lens`` in ``[1, max_blocks * block_size]`` and the block-table entries it uses
+    blocks of the caches."""
     for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
         if not isinstance(codec, TransformCodec):
             raise TypeError(f"{name} must be a kvlab.transform.TransformCodec, got {type(codec).__name__}")
@@ -228,12 +231,46 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"q has {q_heads} heads, not a multiple of the cache's {heads} KV heads")
     C.check_tensor("k_cache", k_cache, (torch.uint8,), last_dim=key_codec.row_bytes)
     C.check_tensor("v_cache", v_cache, (torch.uint8,), last_dim=value_codec.row_bytes)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or not cache.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [num_blocks, block_size, row_bytes], got shape "
+                             f"{tuple(cache.shape)}")
+    if k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(f"k_cache and v_cache must have the same [num_blocks, block_size], got "
+                         f"{list(k_cache.shape[:2])} and {list(v_cache.shape[:2])}")
     C.check_tensor("block_table", block_table, (torch.int32, torch.int64))
     C.check_tensor("seq_lens", seq_lens, (torch.int32, torch.int64))
     if block_table.dim() != 2 or block_table.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(f"block_table must be [batch, max_blocks] and seq_lens [batch] with batch = {batch}")
+        raise ValueError(f"block_table must be [batch, max_blocks] and seq_lens [batch] with batch = {batch}, got "
+                         f"shapes {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+    C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
     C.check_kernel_device("q", q)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    C.check_int("first_position", first_position, minimum=0)
+    if splits is not None:
+        C.check_int("splits", splits, minimum=1)
+    if rope is not None:
+        from ..calibration import RoPE  # a small dataclass, no kernel
+
+        if not isinstance(rope, RoPE):
+            raise TypeError(f"rope must be None or a kvlab.RoPE, got {type(rope).__name__}")
+        if rope.dim != dim:
+            raise ValueError(f"rope rotates {rope.dim} channels, the heads have {dim}")
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {type(check).__name__}")
     device, page = q.device, k_cache.shape[1]
+    if check and batch:
+        C.check_finite("q", q)
+        capacity = block_table.shape[1] * page
+        if bool((seq_lens < 1).any()) or bool((seq_lens > capacity).any()):
+            raise ValueError(f"seq_lens must be in [1, {capacity}] (max_blocks * block_size), got values from "
+                             f"{int(seq_lens.min())} to {int(seq_lens.max())}")
+        used = torch.arange(block_table.shape[1], device=device)[None, :] * page < seq_lens[:, None]
+        entries = block_table[used]
+        if bool((entries < 0).any()) or bool((entries >= k_cache.shape[0]).any()):
+            raise ValueError(f"block_table's entries for the first seq_lens tokens must be blocks in "
+                             f"[0, {k_cache.shape[0]}), got values from {int(entries.min())} to {int(entries.max())}")
     group = q_heads // heads
     hqp = max(MIN_DOT, triton.next_power_of_2(q_heads))
     wp = max(MIN_DOT, triton.next_power_of_2(width))

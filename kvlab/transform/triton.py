@@ -1,23 +1,27 @@
-"""Triton kernels of the transform codec in a paged cache: quantize and pack ``y``, unpack and dequantize rows.
+"""Triton kernels of the transform codec in a paged cache: ``store_transform`` and ``load_transform``.
 
 What
     The codec's two matrix products run in torch (``kvlab.transform.api``); these kernels do everything between
-    them, byte for byte as ``kvlab.transform.reference`` does (``quantize`` + ``pack`` + ``write_rows``;
-    ``read_rows`` + ``unpack`` + ``dequantize``):
+    them, byte for byte as ``kvlab.transform.reference`` does:
 
-    * ``quantize_rows(y, codec)``: per token and group the fp16 gain (the fp64 root mean square of ``y``) and
-      every component's code, found by a binary search over the component's boundaries
-      (``y > boundary * gain``, ``max_bits`` steps); codes go to a uint8 scratch tensor ``[T, G, D]``.
-    * ``pack_rows(codes, gains, codec, cache, slot_mapping)``: each byte of a group's bit stream is the OR of
-      the (at most nine) component codes that overlap it, read through a table built once per codec; the gain
-      follows as two bytes; slot ``-1`` is not written.
-    * ``load_rows(cache, codec, slots)``: each component's code from the two bytes that hold it, its centroid
-      times the gain: ``y_hat [N, G, D]`` float32.
+    * ``store_transform(y, codec, cache, slot_mapping)`` (``quantize`` + ``pack`` + ``write_rows``): one fused
+      kernel per tile of tokens and group. The gain is the fp64 root mean square of the group's ``y``, rounded
+      to fp32 and then to fp16 as torch converts (1 with ``gain=False``). Each byte of the group's bit stream
+      is then the sum of the parts of the codes that overlap it (their bits are disjoint, so the sum is their
+      OR); a code is found where a byte needs it, by a binary search over its component's boundaries
+      (``y > boundary * gain``, ``max_bits`` steps), through a table built once per codec: for each byte, the
+      components that overlap it and where their code starts relative to the byte. The gain follows as two
+      bytes. Slot ``-1`` is padding: its row is not written.
+    * ``load_transform(cache, codec, slots)`` (``read_rows`` + ``unpack`` + ``dequantize``): each component's
+      code from the two bytes that hold it, its centroid times the gain: ``y_hat [*slots.shape, G, D]``
+      float32.
 
 Layout: ``kvlab.transform.codec``. On a CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -26,17 +30,24 @@ import triton.language as tl
 from .. import _checks as C
 from .codec import TransformCodec
 
-__all__ = ["load_rows", "pack_rows", "quantize_rows"]
+__all__ = ["load_transform", "store_transform"]
 
-CONTRIBUTORS = 9  # components that can overlap one byte: eight 1-bit codes starting in it and one straddling into it
 BLOCK_TOKENS = 32
+# tokens x lanes of one program: compiled for sm_90 with 4 warps, 2048 keep the store and the load under 170 registers
+# a thread without spills (8192: 255 registers and spills); the interpreter is fastest with few, large programs
+BLOCK_ELEMENTS, INTERPRETED_BLOCK_ELEMENTS = 2048, 8192
+
+
+def _block_elements(device) -> int:
+    interpreted = torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return INTERPRETED_BLOCK_ELEMENTS if interpreted else BLOCK_ELEMENTS
 
 
 # ----------------------------------------------------------------------------- device tables
 
 
 def _tables(codec: TransformCodec, device) -> dict:
-    """Per device, once per codec: boundaries, codebooks, bit widths and offsets, the pack table."""
+    """Per device, once per codec: boundaries, codebooks, bit widths and offsets, the byte table of the store."""
     cache = codec.__dict__.setdefault("_device_tables", {})
     key = str(device)
     if key in cache:
@@ -46,18 +57,19 @@ def _tables(codec: TransformCodec, device) -> dict:
     offsets = codec.offsets.cpu()
     code_bytes = [C.cdiv(b, 8) for b in codec.group_bits]
     nb = max(1, max(code_bytes))
-    idx = torch.full((g, nb, CONTRIBUTORS), -1, dtype=torch.int32)
-    rel = torch.zeros((g, nb, CONTRIBUTORS), dtype=torch.int32)
+    parts = [[[] for _ in range(nb)] for _ in range(g)]  # parts[g][j]: (component, its first bit - 8 j)
     for gi in range(g):
-        fill = [0] * nb
         for c in range(d):
             b, o = int(bits[gi, c]), int(offsets[gi, c])
-            if b == 0:
-                continue
-            for j in range(o // 8, (o + b - 1) // 8 + 1):  # the bytes this code overlaps
-                idx[gi, j, fill[j]] = c
-                rel[gi, j, fill[j]] = o - 8 * j
-                fill[j] += 1
+            for j in range(o // 8, (o + b - 1) // 8 + 1) if b else ():
+                parts[gi][j].append((c, o - 8 * j))
+    width = max(1, max(len(p) for row in parts for p in row))  # at most 9: eight 1-bit codes and one straddling
+    idx = torch.full((g, nb, width), -1, dtype=torch.int32)
+    rel = torch.zeros((g, nb, width), dtype=torch.int32)
+    for gi in range(g):
+        for j in range(nb):
+            for k, (c, r) in enumerate(parts[gi][j]):
+                idx[gi, j, k], rel[gi, j, k] = c, r
     levels = codec.codebooks.shape[-1]
     bounds = codec.boundaries if levels > 1 else torch.full((g, d, 1), float("inf"))
     t = {
@@ -67,121 +79,108 @@ def _tables(codec: TransformCodec, device) -> dict:
         "offsets": offsets.to(device, torch.int32).contiguous(),
         "group_offsets": torch.tensor(codec.group_offsets, dtype=torch.int32, device=device),
         "code_bytes": torch.tensor(code_bytes, dtype=torch.int32, device=device),
-        "pack_idx": idx.to(device), "pack_rel": rel.to(device),
+        "part_idx": idx.to(device), "part_rel": rel.to(device), "parts": width,
         "max_code_bytes": nb, "levels": levels, "bound_stride": bounds.shape[-1],
     }
     cache[key] = t
     return t
 
 
-# ----------------------------------------------------------------------------- quantize
+def _check_cache(cache: torch.Tensor, codec: TransformCodec) -> None:
+    if not isinstance(codec, TransformCodec):
+        raise TypeError(f"codec must be a kvlab.transform.TransformCodec, got {type(codec).__name__}")
+    C.check_tensor("cache", cache, (torch.uint8,), ndim_min=2, last_dim=codec.row_bytes)
+    if not cache.is_contiguous():
+        raise ValueError("cache must be contiguous")
+    C.check_kernel_device("cache", cache)
+
+
+# ----------------------------------------------------------------------------- store
 
 
 @triton.jit
-def _quantize_kernel(
+def _store_kernel(
     # pointers
-    y_ptr,  # [T, G, D] float32
+    y_ptr,  # [T, G, D] float32: the transformed vectors
     bounds_ptr,  # [G, D, NBND] float32, ascending, +inf past a component's 2**bits - 1 boundaries
-    codes_ptr,  # [T, G, D] uint8 (out)
-    gains_ptr,  # [T, G] float16 (out)
+    idx_ptr, rel_ptr,  # [G, NB, NP] int32: the components overlapping each code byte (-1: none), their first bit - 8 j
+    goff_ptr, nbytes_ptr,  # [G] int32: where a group starts in the row, its code bytes
+    slot_ptr,  # [T] int32 or int64: the row of each token (-1: padding, not written)
+    cache_ptr,  # [slots, ROW] uint8 (out)
     # sizes
-    T, G, D,
-    NBND,
+    T, G, D, NB, NBND, ROW,
     # settings
-    GAIN: tl.constexpr, MAX_BITS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    NP: tl.constexpr, MAX_BITS: tl.constexpr, GAIN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    BNB: tl.constexpr,
 ):
     i_t, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_t = i_t * BT + tl.arange(0, BT)  # [BT]
     o_d = tl.arange(0, BD)  # [BD]
-    m_t, m_d = o_t < T, o_d < D
-    m = m_t[:, None] & m_d[None, :]
-    p_y = y_ptr + (o_t[:, None] * G + i_g) * D + o_d[None, :]
-    b_y = tl.load(p_y, mask=m, other=0.0)  # [BT, BD]
-    if GAIN:
-        b_y64 = b_y.to(tl.float64)
-        b_g = tl.sqrt(tl.sum(b_y64 * b_y64, axis=1) / D).to(tl.float16)  # [BT]
-    else:
-        b_g = tl.full([BT], 1.0, tl.float16)
-    b_gf = tl.where(m_t, b_g.to(tl.float32), 1.0)[:, None]  # tokens past T: any finite gain
-    # binary search: the number of boundaries below y / gain, as y > boundary * gain
-    b_pos = tl.zeros([BT, BD], dtype=tl.int32)
-    p_b = bounds_ptr + (i_g * D + o_d[None, :]) * NBND
-    for k in tl.static_range(MAX_BITS - 1, -1, -1):
-        b_b = tl.load(p_b + b_pos + (1 << k) - 1, mask=m, other=float("inf"))
-        b_pos += tl.where(b_y > b_b * b_gf, 1 << k, 0)
-    tl.store(codes_ptr + (o_t[:, None] * G + i_g) * D + o_d[None, :], b_pos.to(tl.uint8), mask=m)
-    tl.store(gains_ptr + o_t * G + i_g, b_g, mask=m_t)
-
-
-def quantize_rows(y: torch.Tensor, codec: TransformCodec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y [T, G, D]`` float32 -> ``(codes [T, G, D] uint8, gains [T, G] fp16)``; no checks (``api.store`` checks)."""
-    t = _tables(codec, y.device)
-    tokens = y.shape[0]
-    codes = torch.empty(tokens, codec.groups, codec.dim, dtype=torch.uint8, device=y.device)
-    gains = torch.empty(tokens, codec.groups, dtype=torch.float16, device=y.device)
-    if tokens:
-        bd = triton.next_power_of_2(codec.dim)
-        bt = max(1, min(BLOCK_TOKENS, 8192 // bd))
-        _quantize_kernel[(triton.cdiv(tokens, bt), codec.groups)](
-            y, t["bounds"], codes, gains, tokens, codec.groups, codec.dim, t["bound_stride"],
-            GAIN=codec.gain, MAX_BITS=max(codec.max_bits, 1), BT=bt, BD=bd)
-    return codes, gains
-
-
-# ----------------------------------------------------------------------------- pack
-
-
-@triton.jit
-def _pack_kernel(
-    # pointers
-    codes_ptr,  # [T, G, D] uint8
-    gains_ptr,  # [T, G] float16
-    idx_ptr, rel_ptr,  # [G, NB, NC] int32: the components overlapping each code byte, their bit offset in it
-    goff_ptr, nbytes_ptr,  # [G] int32: where a group starts in the row, its code bytes
-    slot_ptr,  # [T] int32 or int64: the row of each token (-1: not written)
-    cache_ptr,  # [slots, ROW] uint8
-    # sizes
-    T, G, D, NB, ROW,
-    # settings
-    NC: tl.constexpr, GAIN: tl.constexpr, BT: tl.constexpr, BNB: tl.constexpr,
-):
-    i_t, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    o_t = i_t * BT + tl.arange(0, BT)  # [BT]
     o_j = tl.arange(0, BNB)  # [BNB]
     b_s = tl.load(slot_ptr + o_t, mask=o_t < T, other=-1).to(tl.int64)
     m_t = (o_t < T) & (b_s >= 0)
-    b_goff = tl.load(goff_ptr + i_g).to(tl.int64)
+    p_y = y_ptr + (o_t * G + i_g) * D  # [BT]: the group's vector of each token
+    # the gain: fp64 root mean square, rounded to fp16
+    if GAIN:
+        b_y = tl.load(p_y[:, None] + o_d[None, :], mask=m_t[:, None] & (o_d < D)[None, :], other=0.0)  # [BT, BD]
+        b_y64 = b_y.to(tl.float64)
+        b_ms = tl.sum(b_y64 * b_y64, axis=1) / D  # [BT]; fp64 division and square root round correctly (PTX .rn)
+        b_g = tl.sqrt(b_ms).to(tl.float32).to(tl.float16)  # via fp32, as torch converts fp64 to fp16
+    else:
+        b_g = tl.full([BT], 1.0, tl.float16)
+    b_gf = tl.where(m_t, b_g.to(tl.float32), 1.0)[:, None]  # [BT, 1]; tokens not stored: any finite gain
+    # each code byte: the sum (= OR, disjoint bits) of the parts of the codes that overlap it
     b_nb = tl.load(nbytes_ptr + i_g)
     m_j = o_j < b_nb
     b_acc = tl.zeros([BT, BNB], dtype=tl.int32)
-    for k in tl.static_range(NC):
-        b_i = tl.load(idx_ptr + (i_g * NB + o_j) * NC + k, mask=m_j, other=-1)  # [BNB]
-        b_r = tl.load(rel_ptr + (i_g * NB + o_j) * NC + k, mask=m_j, other=0)
-        m = m_t[:, None] & (b_i >= 0)[None, :]
-        b_c = tl.load(codes_ptr + (o_t[:, None] * G + i_g) * D + b_i[None, :], mask=m, other=0).to(tl.int32)
-        b_r2 = b_r[None, :]
-        b_acc |= tl.where(b_r2 >= 0, b_c << tl.maximum(b_r2, 0), b_c >> tl.maximum(-b_r2, 0)) & 0xFF
-    p_row = cache_ptr + b_s[:, None] * ROW + b_goff
-    tl.store(p_row + o_j[None, :], b_acc.to(tl.uint8), mask=m_t[:, None] & m_j[None, :])
+    for k in tl.static_range(NP):
+        b_i = tl.load(idx_ptr + (i_g * NB + o_j) * NP + k, mask=m_j, other=-1)  # [BNB]
+        b_r = tl.load(rel_ptr + (i_g * NB + o_j) * NP + k, mask=m_j, other=0)[None, :]  # [1, BNB]
+        m = m_t[:, None] & (b_i >= 0)[None, :]  # [BT, BNB]
+        b_c = tl.maximum(b_i, 0)[None, :]
+        b_yc = tl.load(p_y[:, None] + b_c, mask=m, other=0.0)  # [BT, BNB]: the component's value
+        p_b = bounds_ptr + (i_g * D + b_c) * NBND
+        b_code = tl.zeros([BT, BNB], dtype=tl.int32)
+        for s in tl.static_range(MAX_BITS - 1, -1, -1):  # binary search: #{boundaries j : y > boundary_j * gain}
+            b_b = tl.load(p_b + b_code + (1 << s) - 1, mask=m, other=float("inf"))
+            b_code += tl.where(b_yc > b_b * b_gf, 1 << s, 0)
+        b_part = tl.where(b_r >= 0, b_code << tl.maximum(b_r, 0), b_code >> tl.maximum(-b_r, 0)) & 0xFF
+        b_acc += tl.where(m, b_part, 0)
+    b_goff = tl.load(goff_ptr + i_g).to(tl.int64)
+    p_row = cache_ptr + b_s * ROW + b_goff  # [BT]
+    tl.store(p_row[:, None] + o_j[None, :], b_acc.to(tl.uint8), mask=m_t[:, None] & m_j[None, :])
     if GAIN:
-        b_h = tl.load(gains_ptr + o_t * G + i_g, mask=m_t, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        p_gain = cache_ptr + b_s * ROW + b_goff + b_nb
-        tl.store(p_gain, (b_h & 0xFF).to(tl.uint8), mask=m_t)
-        tl.store(p_gain + 1, (b_h >> 8).to(tl.uint8), mask=m_t)
+        b_h = b_g.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [BT]
+        tl.store(p_row + b_nb, (b_h & 0xFF).to(tl.uint8), mask=m_t)
+        tl.store(p_row + b_nb + 1, (b_h >> 8).to(tl.uint8), mask=m_t)
 
 
-def pack_rows(codes: torch.Tensor, gains: torch.Tensor, codec: TransformCodec, cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-    """Write token ``i``'s codes and gains to row ``slot_mapping[i]`` of ``cache [..., row_bytes]``; no checks."""
-    t = _tables(codec, codes.device)
-    tokens = codes.shape[0]
+def store_transform(y: torch.Tensor, codec: TransformCodec, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize and pack ``y [T, groups, dim]`` float32 into the rows ``slot_mapping [T]`` of ``cache``.
+
+    ``cache`` is uint8 ``[..., row_bytes]`` (a paged cache ``[num_blocks, block_size, row_bytes]``), contiguous;
+    slot ``-1``: not written. Checks types and shapes without a host sync; ``kvlab.transform.api.store`` also
+    checks the values (finite, slots in range, gains within fp16)."""
+    _check_cache(cache, codec)
+    C.check_tensor("y", y, (torch.float32,))
+    if y.dim() != 3 or tuple(y.shape[1:]) != (codec.groups, codec.dim):
+        raise ValueError(f"y must be [tokens, groups, dim] = [T, {codec.groups}, {codec.dim}], got {tuple(y.shape)}")
+    C.check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    if tuple(slot_mapping.shape) != (y.shape[0],):
+        raise ValueError(f"slot_mapping must be [tokens] = [{y.shape[0]}], got shape {tuple(slot_mapping.shape)}")
+    C.check_same_device(y=y, cache=cache, slot_mapping=slot_mapping)
+    tokens = y.shape[0]
     if not tokens:
         return
-    bt = BLOCK_TOKENS
-    _pack_kernel[(triton.cdiv(tokens, bt), codec.groups)](
-        codes, gains, t["pack_idx"], t["pack_rel"], t["group_offsets"], t["code_bytes"], slot_mapping, cache,
-        tokens, codec.groups, codec.dim, t["max_code_bytes"], codec.row_bytes,
-        NC=CONTRIBUTORS, GAIN=codec.gain, BT=bt, BNB=triton.next_power_of_2(t["max_code_bytes"]))
+    t = _tables(codec, y.device)
+    bd = triton.next_power_of_2(codec.dim)
+    bnb = triton.next_power_of_2(t["max_code_bytes"])
+    bt = max(1, min(BLOCK_TOKENS, _block_elements(y.device) // max(bd, bnb)))
+    _store_kernel[(triton.cdiv(tokens, bt), codec.groups)](
+        y.contiguous(), t["bounds"], t["part_idx"], t["part_rel"], t["group_offsets"], t["code_bytes"],
+        slot_mapping.contiguous(), cache,
+        tokens, codec.groups, codec.dim, t["max_code_bytes"], t["bound_stride"], codec.row_bytes,
+        NP=t["parts"], MAX_BITS=max(codec.max_bits, 1), GAIN=codec.gain, BT=bt, BD=bd, BNB=bnb)
 
 
 # ----------------------------------------------------------------------------- load
@@ -194,7 +193,7 @@ def _load_kernel(
     slot_ptr,  # [N] int32 or int64
     books_ptr,  # [G, D, L] float32
     bits_ptr, off_ptr,  # [G, D] int32: bit width and bit offset in the group's stream
-    goff_ptr, nbytes_ptr,  # [G] int32
+    goff_ptr, nbytes_ptr,  # [G] int32: where a group starts in the row, its code bytes
     out_ptr,  # [N, G, D] float32 (out)
     # sizes
     N, G, D, L, ROW,
@@ -217,22 +216,30 @@ def _load_kernel(
     b_code = ((b_lo | (b_hi << 8)) >> (b_off % 8)[None, :]) & ((1 << b_bits) - 1)[None, :]  # [BT, BD]
     b_v = tl.load(books_ptr + (i_g * D + o_d[None, :]) * L + b_code, mask=m, other=0.0)
     if GAIN:
-        p_gain = cache_ptr + b_s * ROW + b_goff + tl.load(nbytes_ptr + i_g)
-        b_h = tl.load(p_gain, mask=m_t, other=0).to(tl.int32) | (tl.load(p_gain + 1, mask=m_t, other=0).to(tl.int32) << 8)
+        p_gain = cache_ptr + b_s * ROW + b_goff + tl.load(nbytes_ptr + i_g)  # [BT]
+        b_lo = tl.load(p_gain, mask=m_t, other=0).to(tl.int32)
+        b_h = b_lo | (tl.load(p_gain + 1, mask=m_t, other=0).to(tl.int32) << 8)  # the fp16 gain's bits
         b_gain = b_h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         b_v = b_v * b_gain[:, None]
     tl.store(out_ptr + (o_t[:, None] * G + i_g) * D + o_d[None, :], b_v, mask=m)
 
 
-def load_rows(cache: torch.Tensor, codec: TransformCodec, slots: torch.Tensor) -> torch.Tensor:
-    """``y_hat [N, G, D]`` float32 of the rows ``slots [N]`` of ``cache [..., row_bytes]``; no checks."""
-    t = _tables(codec, cache.device)
-    n = slots.shape[0]
+def load_transform(cache: torch.Tensor, codec: TransformCodec, slots: torch.Tensor) -> torch.Tensor:
+    """``y_hat [*slots.shape, groups, dim]`` float32: the dequantized rows ``slots`` (any shape) of ``cache``.
+
+    Checks types and shapes without a host sync; ``kvlab.transform.api.load`` also checks that the slots are
+    rows of the cache."""
+    _check_cache(cache, codec)
+    C.check_tensor("slots", slots, (torch.int32, torch.int64))
+    C.check_same_device(cache=cache, slots=slots)
+    flat = slots.reshape(-1).contiguous()
+    n = flat.shape[0]
     out = torch.empty(n, codec.groups, codec.dim, dtype=torch.float32, device=cache.device)
     if n:
+        t = _tables(codec, cache.device)
         bd = triton.next_power_of_2(codec.dim)
-        bt = max(1, min(BLOCK_TOKENS, 8192 // bd))
+        bt = max(1, min(BLOCK_TOKENS, _block_elements(cache.device) // bd))
         _load_kernel[(triton.cdiv(n, bt), codec.groups)](
-            cache, slots, t["books"], t["bits"], t["offsets"], t["group_offsets"], t["code_bytes"], out,
+            cache, flat, t["books"], t["bits"], t["offsets"], t["group_offsets"], t["code_bytes"], out,
             n, codec.groups, codec.dim, t["levels"], codec.row_bytes, GAIN=codec.gain, BT=bt, BD=bd)
-    return out
+    return out.view(*slots.shape, codec.groups, codec.dim)
