@@ -20,7 +20,7 @@ each config's calibration arguments, calibration seconds and constants.
 
     nice -n 10 python scripts/measure_transform.py                      # -> results/transform_codec.json
     python scripts/measure_transform.py --windows 1 --configs "transform 3.5" --out /tmp/t.json
-    nice -n 10 python scripts/measure_transform.py --add --configs "3.0, no gain"   # measure configs into the file
+    nice -n 10 python scripts/measure_transform.py --add --configs "3.5, window 32"   # configs into the file
 
 ``--add`` measures the given configs and fp16 again on the file's texts and windows, checks that the fp16 windows
 match the file's to 1e-6, and adds (the codec's fingerprint must be the file's) the configs to the file (``added`` records when and with which command).
@@ -68,8 +68,6 @@ CONFIGS = {  # name: changes to BASE
     "3.5, uniform bits": dict(allocation="uniform"),
     "3.5, no window": dict(residual=0),
     "3.5, window 32": dict(residual=32),
-    "3.0, no gain": dict(bits=3.0, gain=False),
-    "2.5, no gain": dict(bits=2.5, gain=False),
 }
 COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
 
