@@ -22,8 +22,9 @@ each config's calibration arguments, calibration seconds and constants.
     python scripts/measure_transform.py --windows 1 --configs "transform 3.5" --out /tmp/t.json
     nice -n 10 python scripts/measure_transform.py --add --configs "3.5, window 32"   # configs into the file
 
-``--add`` measures the given configs and fp16 again on the file's texts and windows, checks that the fp16 windows
-match the file's to 1e-6, and adds (the codec's fingerprint must be the file's) the configs to the file (``added`` records when and with which command).
+``--add`` measures the given configs and fp16 again on the file's texts and windows, checks that the codec's
+fingerprint is the file's and that the fp16 windows match the file's to 1e-6, and adds the configs to the file
+(``added`` records when and with which command).
 """
 
 from __future__ import annotations
