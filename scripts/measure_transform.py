@@ -20,6 +20,11 @@ each config's calibration arguments, calibration seconds and constants.
 
     nice -n 10 python scripts/measure_transform.py                      # -> results/transform_codec.json
     python scripts/measure_transform.py --windows 1 --configs "transform 3.5" --out /tmp/t.json
+    nice -n 10 python scripts/measure_transform.py --add --configs "3.5, window 32"   # configs into the file
+
+``--add`` measures the given configs and fp16 again on the file's texts and windows, checks that the codec's
+fingerprint is the file's and that the fp16 windows match the file's to 1e-6, and adds the configs to the file
+(``added`` records when and with which command).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -86,7 +92,15 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=(EVAL_TOKENS - WINDOW) // STRIDE + 1)
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--texts", nargs="*", default=["pydoc", "idle", "pydoc-middle"])
+    ap.add_argument("--add", action="store_true", help="add the configs to the --out file (its texts and windows)")
     args = ap.parse_args()
+    previous = None
+    if args.add:
+        previous = json.loads(Path(args.out).read_text())
+        args.texts = list(previous["per_window"])
+        args.windows = len(previous["per_window"][args.texts[0]]["fp16"]["nll"])
+        if previous["codec_fingerprint"] != transform_fingerprint():
+            raise SystemExit(f"{args.out} was measured with another codec (fingerprint {previous['codec_fingerprint']})")
     import transformers
     import triton
     from transformers.utils import logging as transformers_logging
@@ -123,11 +137,24 @@ def main() -> int:
                 out[name]["nll"].append(x.nll * x.tokens)
                 out[name]["bits"].append(x.bits_per_element)
             print(f"measure_transform: {t} window {w} after {time.perf_counter() - start:.0f} s: "
-                  + ", ".join(f"{n} {x.nll / r['fp16'].nll * 0 + (torch.tensor(x.nll - r['fp16'].nll).exp().item() - 1) * 100:+.2f} %"
+                  + ", ".join(f"{n} {100 * math.expm1(x.nll - r['fp16'].nll):+.2f} %"
                               for n, x in r.items() if n != "fp16"), flush=True)
         per_window[t] = out
     seconds = time.perf_counter() - start
 
+    command = "python scripts/measure_transform.py" + "".join(f" {a!r}" if " " in a else f" {a}" for a in sys.argv[1:])
+    if previous is not None:
+        for t, out in per_window.items():
+            ref = previous["per_window"][t]["fp16"]["nll"]
+            drift = max(abs(a / b - 1) for a, b in zip(out["fp16"]["nll"], ref))
+            assert drift < 1e-6, f"{t}: the fp16 windows differ from {args.out} by {drift:.2e}"
+            previous["per_window"][t].update({k: v for k, v in out.items() if k != "fp16"})
+        previous["configs"].update(meta)
+        previous.setdefault("added", []).append({
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command, "configs": list(meta), "seconds": round(seconds, 1),
+            "calibration": f"capture {capture_seconds:.1f} s"})
+        data = previous
     committed = json.loads(COMMITTED.read_text())
     for t in ("pydoc", "idle"):
         if t in per_window:
@@ -135,25 +162,26 @@ def main() -> int:
             drift = max(abs(a / b - 1) for a, b in zip(per_window[t]["fp16"]["nll"], ref))
             assert drift < 1e-3, f"{t}: the fp16 windows differ from {COMMITTED.name} by {drift:.2e}"
 
-    data = {
-        "what": "Perplexity of SmolLM2-135M-Instruct (Q4_1 GGUF weights dequantized to fp32) with keys and values "
-                "stored by the calibrated transform codec (kvlab.transform) and its variants, read as a decoder "
-                f"reads them; per_window[text][config]: summed NLL (nats) of the {STRIDE} scored tokens and bits "
-                f"per element held (everything counted), per window of {WINDOW} tokens, stride {STRIDE}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, device cpu",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "triton": triton.__version__},
-        "command": "python scripts/measure_transform.py" + "".join(f" {a!r}" if " " in a else f" {a}" for a in sys.argv[1:]),
-        "codec_fingerprint": transform_fingerprint(),
-        "model": kvlab.model.MODEL_NAME + " (" + kvlab.model.GGUF_FILE + ", dequantized to fp32)",
-        "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE,
-        "texts": {"pydoc": f"pydoc topics, tokens 0-{EVAL_TOKENS}", "idle": f"IDLE's manual, tokens 0-{EVAL_TOKENS}",
-                  "pydoc-middle": f"pydoc topics, tokens {THIRD_TEXT_START}-{THIRD_TEXT_START + EVAL_TOKENS}"},
-        "calibration": f"pydoc topics, last {CALIBRATION_TOKENS} tokens; capture {capture_seconds:.1f} s",
-        "baseline": "fp16: KVCache(KVFormat('fp16')), keys and values rounded to fp16, the model in fp32",
-        "configs": meta, "per_window": per_window, "seconds": round(seconds, 1),
-    }
+    if previous is None:
+        data = {
+            "what": "Perplexity of SmolLM2-135M-Instruct (Q4_1 GGUF weights dequantized to fp32) with keys and values "
+                    "stored by the calibrated transform codec (kvlab.transform) and its variants, read as a decoder "
+                    f"reads them; per_window[text][config]: summed NLL (nats) of the {STRIDE} scored tokens and bits "
+                    f"per element held (everything counted), per window of {WINDOW} tokens, stride {STRIDE}",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, device cpu",
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__, "triton": triton.__version__},
+            "command": command,
+            "codec_fingerprint": transform_fingerprint(),
+            "model": kvlab.model.MODEL_NAME + " (" + kvlab.model.GGUF_FILE + ", dequantized to fp32)",
+            "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE,
+            "texts": {"pydoc": f"pydoc topics, tokens 0-{EVAL_TOKENS}", "idle": f"IDLE's manual, tokens 0-{EVAL_TOKENS}",
+                      "pydoc-middle": f"pydoc topics, tokens {THIRD_TEXT_START}-{THIRD_TEXT_START + EVAL_TOKENS}"},
+            "calibration": f"pydoc topics, last {CALIBRATION_TOKENS} tokens; capture {capture_seconds:.1f} s",
+            "baseline": "fp16: KVCache(KVFormat('fp16')), keys and values rounded to fp16, the model in fp32",
+            "configs": meta, "per_window": per_window, "seconds": round(seconds, 1),
+        }
     out = write_json(args.out, data)
     print(f"measure_transform: wrote {out} in {seconds:.0f} s", flush=True)
     return 0

@@ -169,3 +169,22 @@ def test_kvcache_transform_needs_its_codecs(tiny):
         KVCache(KVFormat("transform"), config=model.config, transform=kv.keys)
     with pytest.raises(ValueError, match="must be None for codec='transform'"):
         KVFormat("transform", 3)
+
+
+def test_smollm2_chunked_decode_view_equals_token_by_token():
+    """SmolLM2-135M, the codec at 3.5 bits per element (first token and 16 most recent in fp16) calibrated on 1024
+    tokens: 48 scored tokens in one call read as a decoder reads the cache give the NLL of feeding them one at a
+    time (the view of the call after its write does not). (A float difference between the two paths can flip a code; over 48 tokens that moves the NLL by far less
+    than the tolerance.)"""
+    model, tokenizer = M.load_model()
+    ids = tokenizer(M.corpus()[:20_000], return_tensors="pt", add_special_tokens=False).input_ids[0]
+    kv = CAL.calibrate(model, ids[-1024:], bits=3.5, window=512, sink=1, residual=16)
+    tables = rope_tables(model)
+    parts = [(transform_part(k, tables), transform_part(v)) for k, v in zip(kv.keys, kv.values)]
+    make = lambda: SimulatedCache(parts, residual=16, sink=1)
+    kw = dict(window=96, stride=48, max_windows=1, cache=make)
+    step = M.perplexity(model, ids, chunk=1, decode_view=False, **kw).nll
+    view = M.perplexity(model, ids, chunk=48, **kw).nll
+    stale = M.perplexity(model, ids, chunk=48, decode_view=False, **kw).nll
+    assert abs(view / step - 1) < 5e-4, (view, step)  # seen 8e-5
+    assert abs(stale / step - 1) > 3e-3, (stale, step)  # the view of the call after its write: 1.1 % off
