@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from .layout import packed_bytes
+from .layout import AFFINE_BITS as PACK_BITS, packed_bytes
 
 __all__ = [
     "MixedAffineLayout",
@@ -61,7 +61,6 @@ __all__ = [
     "unpack_affine_mixed",
 ]
 
-PACK_BITS = (2, 3, 4, 8)
 AXES = ("token", "channel")
 FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |x| <= FP32_MAX: finite (NaN compares false)
 FP16_MAX = tl.constexpr(C.FP16_MAX)

@@ -100,7 +100,7 @@ from . import _checks as C
 from .calibration import ChannelStats
 from .centered_reference import CenteredMSECodec
 from .decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
-from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .layout import AFFINE_BITS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
 from .reference import AffineCodec, MSECodec, read_slots, write_slots
 from .rotation import KINDS as ROTATIONS, MAX_DIM
 
@@ -108,8 +108,6 @@ __all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
 
 CODECS = ("fp16", "affine", "mse", "centered", "transform")
 MSE_CODECS = ("mse", "centered")  # the paged MSE slot
-AFFINE_BITS = (2, 3, 4, 8)
-MSE_BITS = (2, 3, 4)
 KEY_AXES = ("token", "channel")
 BACKENDS = ("auto", "triton", "reference")
 PREFILL = ("exact", "stored")

@@ -43,15 +43,14 @@ import torch
 
 from . import _checks as C
 from .layout import MSESlot
+from .params import CenteredParams
 from .mse import _check_codec, load_mse, store_mse
 
 __all__ = ["load_centered_mse", "store_centered_mse"]
 
 def _check_centered_codec(name: str, codec) -> None:
-    for attr in ("mse", "mean", "scale", "inv_scale", "num_heads", "dim", "rope", "mean_rows"):
-        if not hasattr(codec, attr):
-            raise TypeError(f"{name} must be a centred MSE codec (kvlab.centered_reference.CenteredMSECodec) with .{attr}, "
-                            f"got {type(codec).__name__}")
+    if not isinstance(codec, CenteredParams):
+        raise TypeError(f"{name} must be a centred MSE codec (kvlab.CenteredMSECodec), got {type(codec).__name__}")
     shape = (codec.num_heads, codec.dim)
     for attr in ("mean", "scale", "inv_scale"):
         t = getattr(codec, attr)

@@ -42,6 +42,7 @@ import hashlib
 import torch
 
 from . import _checks as C
+from .params import CenteredParams
 from .reference import MSECodec
 
 __all__ = ["CenteredMSECodec", "stats_fingerprint"]
@@ -62,7 +63,7 @@ def stats_fingerprint(mean: torch.Tensor, scale: torch.Tensor, rope=None) -> str
     return h.hexdigest()[:12]
 
 
-class CenteredMSECodec:
+class CenteredMSECodec(CenteredParams):
     """MSE codec of ``(x - mean) / scale`` for vectors ``[..., num_heads, dim]``, one mean and scale per head.
 
     ``mean``, ``scale``: float tensors ``[num_heads, dim]`` (scale finite and > 0); ``bits``,

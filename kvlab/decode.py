@@ -115,7 +115,8 @@ import triton.language as tl
 from . import _checks as C
 from . import decode_mma
 from .affine import affine_code_bytes, pack_affine, unpack_affine
-from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .params import AffineParams, CenteredParams, MSEParams
+from .layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS as DIMS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
 from .centered import load_centered_mse
 from .mse import (  # per-codec device tables (rebuilt when the codec's tensors change), SMs, the MSE lookups
     _cached, _centroids, _interpreter_runs_ptx, _load_words, _mse_tile_fast, _mse_words, _pairs_to_tile, _prmt_tables, _sm_count,
@@ -132,9 +133,6 @@ __all__ = [
     "tile_order",
 ]
 
-MSE_BITS = (2, 3, 4)
-AFFINE_BITS = (4, 8)
-DIMS = (64, 128, 256)
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # default: a split covers at least this many keys
 PROGRAMS_PER_SM = 16  # default number of splits: about this many programs per SM
@@ -641,15 +639,15 @@ def _device_table(codec, name, device, build):
 
 
 def _is_mse(codec) -> bool:
-    return all(hasattr(codec, a) for a in ("rotation", "centroids", "norm_correction", "bits", "dim"))
+    return isinstance(codec, MSEParams)
 
 
 def _is_affine(codec) -> bool:
-    return all(hasattr(codec, a) for a in ("bits", "group_size", "axis")) and not hasattr(codec, "centroids")
+    return isinstance(codec, AffineParams)
 
 
 def _is_centered(codec) -> bool:
-    return all(hasattr(codec, a) for a in ("mse", "mean", "scale", "rope", "num_heads")) and _is_mse(codec.mse)
+    return isinstance(codec, CenteredParams) and _is_mse(codec.mse)
 
 
 def _split_centered(key_codec, position_offset):

@@ -58,14 +58,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from .layout import MMA_BITS as BITS, MMA_DIMS as DIMS  # 2-bit values and 3-bit keys or values: dim 128
 from .mse import lookup2_ptx, lookup3_ptx, lookup4_ptx, spread3_ptx
 
 __all__ = ["DIMS", "STEP", "default_splits", "launch", "output_order", "query_order"]
 
 STEP = 16  # keys per step
 BN = gl.constexpr(STEP)
-DIMS = (64, 128)
-BITS = (2, 3, 4)  # key and value widths the loop reads (2-bit values and 3-bit keys or values: dim 128)
 # (key, value) widths decode_attention runs here by default: all, each measured faster than the split loop
 # (results/decode_attention.csv; 3 bits: results/decode_mma_3bit_probe.json)
 DEFAULT_BITS = {(kb, vb) for kb in BITS for vb in BITS}

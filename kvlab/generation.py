@@ -64,7 +64,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from . import _checks as C
 from .cache import KVCache, KVFormat, model_shape
 from .decode import AffineSlot, _AffineStoreStep, _DecodeStep, decode_attention, prefill_attention, store_affine_slots
-from .layout import MSESlot
+from .layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS, MSE_BITS, MSESlot
 from .mse import _MSEStoreStep, store_mse
 from .reference import (
     AffineCodec, MSECodec, decode_attention_reference, prefill_attention_reference, write_affine_slots, write_slots,
@@ -73,9 +73,6 @@ from .reference import (
 __all__ = ["ATTENTION", "GenerateOutput", "PagedKVCache", "fused_support", "generate", "replay_logits"]
 
 ATTENTION = "kvlab"  # the attention implementation name: model.set_attn_implementation(kvlab.ATTENTION)
-HEAD_DIMS = (64, 128, 256)
-MSE_BITS = (2, 3, 4)
-AFFINE_BITS = (4, 8)
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 

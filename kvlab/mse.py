@@ -110,11 +110,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _checks as C
-from .layout import NORM_BYTES, MSESlot, code_order, packed_bytes
+from .params import MSEParams
+from .layout import MSE_BITS, NORM_BYTES, MSESlot, code_order, packed_bytes
 
 __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_rotated"]
 
-MSE_BITS = (2, 3, 4)
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
 STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
 # at most 168 registers a thread for the 3- and 4-bit stores (else 173 and 178): 3 programs of 4 warps an SM
@@ -1129,9 +1129,8 @@ def _store_block_d(dim: int) -> int:
 
 
 def _check_codec(name: str, codec) -> None:
-    for attr in ("dim", "bits", "rotation", "boundaries", "centroids", "norm_correction"):
-        if not hasattr(codec, attr):
-            raise TypeError(f"{name} must be an MSE codec (e.g. kvlab.MSECodec) with .{attr}, got {type(codec).__name__}")
+    if not isinstance(codec, MSEParams):
+        raise TypeError(f"{name} must be an MSE codec (kvlab.MSECodec), got {type(codec).__name__}")
     C.check_int(f"{name}.bits", codec.bits, MSE_BITS)
     C.check_int(f"{name}.dim", codec.dim, minimum=3)
     dim, levels = codec.dim, 1 << codec.bits

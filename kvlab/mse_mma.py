@@ -33,6 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from .layout import MMA_BITS as BITS, MMA_DIMS as DIMS  # 3 bit: dim 128 (a thread's code is four whole groups of 8 indices)
 from .decode_mma import _key_tile, key_words_layout, query_order
 
 __all__ = ["DIMS", "TILE_ROWS", "column_order", "launch", "operand_b"]
@@ -46,8 +47,6 @@ MAXNREG = 128  # registers a thread: 4 programs an SM (no spills)
 # steps ahead of its words at which a tile's slots are read, by whether the codes are word-aligned (ALIGN4): the
 # faster of 1 and 2 on the H200 (results/codec_ab_model_mma.json)
 SLOTS_AHEAD = {True: 1, False: 2}
-DIMS = (64, 128)
-BITS = (2, 3, 4)  # 3 bit: dim 128 (a thread's code is four whole groups of 8 indices)
 
 
 def column_order(dim: int) -> torch.Tensor:

@@ -35,9 +35,10 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .layout import STORE_GLUON_DIMS as DIMS
+
 __all__ = ["DIMS", "launch", "layout_constants", "layouts", "options", "rows", "supports"]
 
-DIMS = (128,)
 LANES = 4  # threads a row
 WARPS = 4
 ROWS_PER_THREAD = 1

@@ -37,12 +37,12 @@ import math
 import torch
 
 from . import _checks as C
-from .layout import NORM_BYTES
+from .layout import MSE_BITS, NORM_BYTES
 from .reference import MSECodec, _fp16_bytes, _fp16_from_bytes
 
 __all__ = ["QJLCodec", "pack_signs", "unpack_signs"]
 
-QJL_BITS = (3, 4, 5)  # total bits per coordinate: an MSE stage of 2, 3 or 4 bits plus the sign
+QJL_BITS = tuple(b + 1 for b in MSE_BITS)  # total bits per coordinate: an MSE stage of 2, 3 or 4 bits plus the sign
 # default sketch seed: seed + this offset, a random stream far from the small seeds of rotations and data
 SKETCH_SEED_OFFSET = 0x9E3779B9
 

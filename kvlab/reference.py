@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
-from .layout import NORM_BYTES, MSESlot, code_order, packed_bytes
-from .lloyd_max import lloyd_max
-from .rotation import KINDS, MAX_DIM, fwht, hadamard_scale, hadamard_signs, rotation_matrix
+from . import layout
+from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .params import AffineParams, CenteredParams, MSEParams
+from .rotation import fwht
 
 __all__ = [
     "AffineCodec",
@@ -34,7 +35,6 @@ __all__ = [
     "write_slots",
 ]
 
-PACK_BITS = (2, 3, 4, 8)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -42,7 +42,7 @@ PACK_BITS = (2, 3, 4, 8)
 
 def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer indices ``[..., n]`` (values in ``[0, 2**bits)``) into uint8 ``[..., ceil(bits n / 8)]``."""
-    C.check_int("bits", bits, PACK_BITS)
+    C.check_int("bits", bits, layout.PACK_BITS)
     C.check_codes("idx", idx, bits)
     return _pack_indices(idx, bits)
 
@@ -68,7 +68,7 @@ def unpack_indices(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
     ``nbytes`` must be ``packed_bytes(n, bits)``, the bytes ``pack_indices`` writes for ``n`` indices.
     """
-    C.check_int("bits", bits, PACK_BITS)
+    C.check_int("bits", bits, layout.PACK_BITS)
     C.check_int("n", n, minimum=0)
     C.check_tensor("packed", packed, (torch.uint8,), ndim_min=1)
     if packed.shape[-1] != packed_bytes(n, bits):
@@ -104,7 +104,7 @@ def _fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- MSE codec
 
 
-class MSECodec:
+class MSECodec(MSEParams):
     """Rotated Lloyd-Max codec (TurboQuant's MSE variant) for vectors of ``dim`` elements.
 
     ``encode(x [..., dim]) -> uint8 [..., nbytes]`` and ``decode(codes, space="model"|"rotated")``.
@@ -131,43 +131,6 @@ class MSECodec:
     input's norm (up to fp16 rounding) and no decoder has to compute ``|codebook[code]|``; without it
     ``s = |y|``.
     """
-
-    def __init__(self, dim: int, bits: int, rotation: str = "haar", seed: int = 0, norm_correction: bool = True):
-        C.check_int("dim", dim, minimum=3)
-        if dim > MAX_DIM:
-            raise ValueError(f"dim must be in [3, {MAX_DIM}] (a dense dim x dim rotation), got {dim}")
-        C.check_int("bits", bits, (2, 3, 4))
-        C.check_choice("rotation", rotation, KINDS)
-        C.check_int("seed", seed)
-        if not isinstance(norm_correction, bool):
-            raise TypeError(f"norm_correction must be a bool, got {type(norm_correction).__name__}")
-        self.dim, self.bits, self.rotation_kind, self.seed = dim, bits, rotation, seed
-        self.norm_correction = norm_correction
-        self.quantizer = lloyd_max(bits, dim)
-        self.rotation = rotation_matrix(rotation, dim, seed)  # validates dim for the kind
-        self.hadamard_signs = self.hadamard_scale = None
-        if rotation == "hadamard":  # x @ R == fwht(x * signs) * scale, R = diag(signs) H / sqrt(dim)
-            self.hadamard_signs = hadamard_signs(dim, seed).to(torch.float32)
-            self.hadamard_scale = hadamard_scale(dim)
-        self.centroids = torch.tensor(self.quantizer.centroids, dtype=torch.float32)
-        self.boundaries = torch.tensor(self.quantizer.boundaries, dtype=torch.float32)
-        self.index_bytes = packed_bytes(dim, bits)
-        self.nbytes = self.index_bytes + NORM_BYTES
-
-    @property
-    def codebook(self) -> torch.Tensor:
-        """float32 ``[2**bits]``: the centroid of each stored code (``kvlab.layout.code_order``)."""
-        return self.centroids[code_order(self.bits)]
-
-    @property
-    def bits_per_element(self) -> float:
-        return 8.0 * self.nbytes / self.dim
-
-    def __repr__(self) -> str:
-        return (
-            f"MSECodec(dim={self.dim}, bits={self.bits}, rotation={self.rotation_kind!r}, "
-            f"seed={self.seed}, norm_correction={self.norm_correction})"
-        )
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1, last_dim=self.dim)
@@ -205,7 +168,7 @@ class MSECodec:
 # ----------------------------------------------------------------------------- affine codec
 
 
-class AffineCodec:
+class AffineCodec(AffineParams):
     """Asymmetric min/max codec, one fp16 scale and fp16 zero per group of ``group_size``.
 
     ``axis="token"``: groups of channels within each vector; ``encode(x [..., dim])`` ->
@@ -215,28 +178,6 @@ class AffineCodec:
     ``q = floor((x - zero) * inv + 1/2)`` clamped to ``[0, 2**bits - 1]``, ``inv = 1 / scale`` (0 where
     the scale is 0), each operation rounded to fp32 on its own.
     """
-
-    def __init__(self, bits: int, group_size: int, axis: str = "token"):
-        C.check_int("bits", bits, PACK_BITS)
-        C.check_int("group_size", group_size, minimum=8)
-        if group_size % 8:
-            raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
-        C.check_choice("axis", axis, ("token", "channel"))
-        self.bits, self.group_size, self.axis = bits, group_size, axis
-        self.levels = (1 << bits) - 1
-
-    @property
-    def bits_per_element(self) -> float:
-        return self.bits + 32.0 / self.group_size
-
-    def __repr__(self) -> str:
-        return f"AffineCodec(bits={self.bits}, group_size={self.group_size}, axis={self.axis!r})"
-
-    def nbytes(self, dim: int) -> int:
-        """Bytes of one code: one vector (token axis) or ``group_size`` vectors (channel axis)."""
-        if self.axis == "token":
-            return packed_bytes(dim, self.bits) + 4 * (dim // self.group_size)
-        return self.group_size * packed_bytes(dim, self.bits) + 4 * dim
 
     def _check_dim(self, dim: int) -> None:
         if self.axis == "token" and dim % self.group_size:
@@ -389,7 +330,7 @@ def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec, posit
         t = torch.arange(n, device=cache.device)
         slots = block_table[b].long()[t // block_size] * block_size + t % block_size
         codes = flat[slots]
-        if isinstance(key_codec, MSECodec) or hasattr(key_codec, "mse"):  # plain or centred MSE keys
+        if isinstance(key_codec, (MSEParams, CenteredParams)):  # plain or centred MSE keys
             kb = key_codec.nbytes
             # a centred codec whose mean turns with RoPE needs the tokens' positions
             turning = getattr(key_codec, "rope", None) is not None

@@ -639,7 +639,7 @@ LAYOUT = kvlab.MSESlot(64, 4, 3)
 KC, VC = codecs(64, 4, 3, "haar")
 
 
-class _FakeCodec:
+class _FakeCodec(kvlab.params.MSEParams):
     def __init__(self, **changes):
         for attr in ("dim", "bits", "rotation", "boundaries", "centroids", "norm_correction"):
             setattr(self, attr, changes.get(attr, getattr(KC, attr)))
