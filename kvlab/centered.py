@@ -44,7 +44,7 @@ import torch
 from . import _checks as C
 from .layout import MSESlot
 from .params import CenteredParams
-from .mse import _check_codec, load_mse, store_mse
+from .mse import check_codec, load_mse, store_mse
 
 __all__ = ["load_centered_mse", "store_centered_mse"]
 
@@ -86,8 +86,8 @@ def store_centered_mse(key: torch.Tensor, value: torch.Tensor, slot_mapping: tor
     those of ``kvlab.mse.store_mse`` (for keys, the norm checked is that of the normalised ``z``).
     """
     _check_centered_codec("key_codec", key_codec)
-    _check_codec("key_codec.mse", key_codec.mse)
-    _check_codec("value_codec", value_codec)
+    check_codec("key_codec.mse", key_codec.mse)
+    check_codec("value_codec", value_codec)
     C.check_tensor("key", key, C.FLOAT_DTYPES)
     C.check_tensor("value", value, C.FLOAT_DTYPES)
     if key.dim() != 3 or tuple(key.shape[1:]) != (key_codec.num_heads, key_codec.dim):

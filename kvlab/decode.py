@@ -118,10 +118,10 @@ from .affine import affine_code_bytes, pack_affine, unpack_affine
 from .params import AffineParams, CenteredParams, MSEParams
 from .layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS as DIMS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
 from .centered import load_centered_mse
-from .mse import (  # per-codec device tables (rebuilt when the codec's tensors change), SMs, the MSE lookups
-    _cached, _centroids, _interpreter_runs_ptx, _load_words, _mse_tile_fast, _mse_words, _pairs_to_tile, _prmt_tables, _sm_count,
-    load_mse, tile_order,
-)
+from ._kernels import tables as T  # per-codec device tables (rebuilt when the codec's tensors change), SMs
+from ._kernels.mse_tile import load_words as _load_words, mse_tile_fast as _mse_tile_fast, mse_words as _mse_words, pairs_to_tile as _pairs_to_tile
+from ._kernels.tables import tile_order
+from .mse import load_mse
 
 __all__ = [
     "AffineSlot",
@@ -635,7 +635,7 @@ def _affine_tile_order(bits: int, dim: int) -> torch.Tensor:
 
 def _device_table(codec, name, device, build):
     source = getattr(codec, name)
-    return _cached(codec, (name, device), source, lambda s: build(s).to(device))
+    return T.cached(codec, (name, device), source, lambda s: build(s).to(device))
 
 
 def _is_mse(codec) -> bool:
@@ -785,7 +785,7 @@ def _rotate_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: to
 
 
 def _to_model_space(output: torch.Tensor, value_codec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    rot_t = _cached(value_codec, ("rotation_t", output.device), value_codec.rotation,
+    rot_t = T.cached(value_codec, ("rotation_t", output.device), value_codec.rotation,
                     lambda r: r.to(device=output.device, dtype=torch.float32).T.contiguous())
     return _rotate_rows(output, rot_t, dtype)
 
@@ -801,7 +801,7 @@ def _rope_table(key_codec, length: int, offset: int, device) -> torch.Tensor:
         return torch.cat([cos[:, :half], sin[:, :half]], 1).to(device=device, dtype=torch.float32).contiguous()
 
     n = max(256, C.next_power_of_2(length))
-    return _cached(key_codec, ("rope_table", device, offset, n), key_codec.mean, lambda m: build(m, n))[:length]
+    return T.cached(key_codec, ("rope_table", device, offset, n), key_codec.mean, lambda m: build(m, n))[:length]
 
 
 def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: int = 0) -> torch.Tensor:
@@ -851,14 +851,14 @@ def launch_defaults(kind: str, bits: int) -> dict:
 @functools.lru_cache(maxsize=None)
 def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
     """The default split count of the loop of ``kvlab.decode_mma`` (``decode_mma.default_splits``)."""
-    return decode_mma.default_splits(batch * num_kv_heads, capacity, _sm_count(device))
+    return decode_mma.default_splits(batch * num_kv_heads, capacity, T.sm_count(device))
 
 
 @functools.lru_cache(maxsize=None)
 def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
     """The split loop's default: about ``PROGRAMS_PER_SM`` programs an SM, each split at least
     ``MIN_SPLIT_TOKENS`` (and ``block_n``) keys."""
-    want = C.cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, batch * num_kv_heads))
+    want = C.cdiv(PROGRAMS_PER_SM * T.sm_count(device), max(1, batch * num_kv_heads))
     return max(1, min(want, C.cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
 
 
@@ -914,7 +914,7 @@ def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) ->
         return f"a head dim of 128 for 3-bit keys, got {q.shape[-1]}"
     if q.shape[-2] // num_kv_heads > decode_mma.MAX_GROUP:
         return f"at most {decode_mma.MAX_GROUP} query heads per KV head, got {q.shape[-2] // num_kv_heads}"
-    if _prmt_tables(key_codec) is None or _prmt_tables(value_codec) is None:
+    if T.prmt_tables(key_codec) is None or T.prmt_tables(value_codec) is None:
         return "symmetric fp16 codebooks (the byte-permute lookup)"
     return None
 
@@ -960,10 +960,10 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
 
 def _mma_tables(key_codec, value_codec, dim: int, q_scale: float, device):
     """``(rotation of the query times q_scale, its columns in the loop's order; output coordinate order)``."""
-    rot_k = _cached(key_codec, ("mma_query_rotation", device, q_scale), key_codec.rotation,
+    rot_k = T.cached(key_codec, ("mma_query_rotation", device, q_scale), key_codec.rotation,
                     lambda r: (r.to(device=device, dtype=torch.float32)[:, decode_mma.query_order(dim, key_codec.bits).to(device)]
                                * q_scale).contiguous())
-    order_v = _cached(value_codec, ("mma_output_order", device), value_codec.centroids,
+    order_v = T.cached(value_codec, ("mma_output_order", device), value_codec.centroids,
                       lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
     return rot_k, order_v
 
@@ -984,7 +984,7 @@ def _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec, 
     group_rows = max(8, C.next_power_of_2(num_q_heads // num_kv_heads))
     max_registers = decode_mma.num_registers(group_rows)
     extra = {} if max_registers is None else dict(maxnreg=max_registers)
-    args = (q_in, cache, block_table, seq_lens, o_part, ml_part, *_prmt_tables(key_codec), *_prmt_tables(value_codec),
+    args = (q_in, cache, block_table, seq_lens, o_part, ml_part, *T.prmt_tables(key_codec), *T.prmt_tables(value_codec),
             split_len, num_splits, block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2))
     constants = dict(HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=cache.shape[1], D=dim,
                      KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
@@ -1129,7 +1129,7 @@ def decode_attention(
         raise TypeError(f"keys_as_rows must be a bool, got {type(keys_as_rows).__name__}")
     if prefetch and kind != "mse":
         raise ValueError("prefetch=True applies to MSE caches (the affine path is not pipelined)")
-    if fast and interpreted and not _interpreter_runs_ptx():
+    if fast and interpreted and not T.interpreter_runs_ptx():
         raise ValueError("fast=True needs a CUDA device (inline PTX); use fast=False or None on the CPU")
 
     device = q.device
@@ -1175,21 +1175,21 @@ def _split_tables(kind, key_codec, value_codec, dim: int, q_scale: float, fast: 
     t = dict(tables_k=(0, 0, 0, 0), tables_v=(0, 0, 0, 0), key_scale=None)
     if kind == "mse":
         if fast:
-            t["tables_k"], t["tables_v"] = _prmt_tables(key_codec), _prmt_tables(value_codec)
+            t["tables_k"], t["tables_v"] = T.prmt_tables(key_codec), T.prmt_tables(value_codec)
             if t["tables_k"] is None or t["tables_v"] is None:
                 raise ValueError("fast=True needs a symmetric fp16 codebook for 4-bit codecs; use fast=False")
         # the rotation with its columns in the key tile order, times q_scale: q R[:, order] is the
         # permuted rotated query, ready for base-2 exponentials
-        t["rot_q"] = _cached(key_codec, ("query_rotation", device, q_scale), key_codec.rotation,
+        t["rot_q"] = T.cached(key_codec, ("query_rotation", device, q_scale), key_codec.rotation,
                              lambda r: (r.to(device=device, dtype=torch.float32)[:, tile_order(key_codec.bits, dim).to(device)]
                                         * q_scale).contiguous())
-        t["order_v"] = _cached(value_codec, ("tile_order", device), value_codec.centroids,
+        t["order_v"] = T.cached(value_codec, ("tile_order", device), value_codec.centroids,
                                lambda _: tile_order(value_codec.bits, dim).to(device=device, dtype=torch.int32))
         if centered is not None:  # q . (scale * z) = (q * scale) . z: scale the query, not the keys
-            t["key_scale"] = _cached(centered, ("scale_rows", device, group), centered.scale,
+            t["key_scale"] = T.cached(centered, ("scale_rows", device, group), centered.scale,
                                      lambda s: s.to(device=device, dtype=torch.float32).repeat_interleave(group, 0).contiguous())
-        t["cent_k"] = _centroids(key_codec, device)  # the codebooks: the centroid of each code
-        t["cent_v"] = _centroids(value_codec, device)
+        t["cent_k"] = T.centroids(key_codec, device)  # the codebooks: the centroid of each code
+        t["cent_v"] = T.centroids(value_codec, device)
         layout = MSESlot(dim, key_codec.bits, value_codec.bits)
         assert layout.value_offset % 2 == 0, layout  # words of the value code: 4- or 2-byte aligned (_load_words)
         t["offsets"] = dict(KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
@@ -1197,13 +1197,13 @@ def _split_tables(kind, key_codec, value_codec, dim: int, q_scale: float, fast: 
                             GROUP=16)
     else:
         if fast:
-            t["order_q"] = _cached(key_codec, ("affine_query_order", device, dim), key_codec.bits,
+            t["order_q"] = T.cached(key_codec, ("affine_query_order", device, dim), key_codec.bits,
                                    lambda b: _affine_tile_order(b, dim).to(device))
-            t["order_v"] = _cached(value_codec, ("affine_tile_order", device, dim), value_codec.bits,
+            t["order_v"] = T.cached(value_codec, ("affine_tile_order", device, dim), value_codec.bits,
                                    lambda b: _affine_tile_order(b, dim).to(device=device, dtype=torch.int32))
         else:
             t["order_q"] = None
-            t["order_v"] = _cached(key_codec, ("natural_order", device, dim), key_codec.bits,
+            t["order_v"] = T.cached(key_codec, ("natural_order", device, dim), key_codec.bits,
                                    lambda _: torch.arange(dim, dtype=torch.int32, device=device))
         t["cent_k"] = t["cent_v"] = t["order_v"]  # unused
         layout = AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
@@ -1243,7 +1243,7 @@ def _split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t: di
     return _decode_split_kernel, (batch * num_kv_heads, num_splits), args, options
 
 
-class _DecodeStep:
+class DecodeStep:
     """``decode_attention(q, cache, block_table, seq_lens, key_codec, value_codec, scale=scale, check=False)``
     repeated on one cache, block table and lengths tensor (read in place at every call: their owner advances
     them and keeps them valid) for queries of one shape and dtype — one layer of a ``PagedKVCache`` in a decode
@@ -1299,7 +1299,7 @@ class _DecodeStep:
         self.merge = Launch(*_merge_spec(o_part, ml_part, order_v, out))
         self.rotate_out = None
         if kind == "mse":
-            rot_t = _cached(value_codec, ("rotation_t", device), value_codec.rotation,
+            rot_t = T.cached(value_codec, ("rotation_t", device), value_codec.rotation,
                             lambda r: r.to(device=device, dtype=torch.float32).T.contiguous())
             self.rotate_out = Launch(*_rotate_spec(out, rot_t, self.result))
 
@@ -1359,7 +1359,7 @@ def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, 
     C.record_writer(cache, key_codec, value_codec)
 
 
-class _AffineStoreStep:
+class AffineStoreStep:
     """``store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on
     inputs of one shape and dtype whose slots are all written (a decode step): each call encodes the keys and
     values into one staging slot per row (two launches prepared once, ``kvlab._launch``), then copies the rows

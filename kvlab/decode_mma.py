@@ -25,7 +25,7 @@ How (per step of ``BN = 16`` keys)
       coordinates ``D/8 g ..`` of four keys (``2 t, 2 t + 1, 2 t + 8, 2 t + 9``) and MMA row
       ``g + 8 j`` is coordinate ``D/8 g + j`` (``output_order``, both widths). The query's rotation
       takes the first order, the merge puts the second back.
-    * Lookups: the byte-permute lookups of ``kvlab.mse`` (``lookup4_ptx``, ``lookup3_ptx``, ``lookup2_ptx``), on two key words at once
+    * Lookups: the byte-permute lookups of ``kvlab._kernels.lookup`` (``lookup4_ptx``, ``lookup3_ptx``, ``lookup2_ptx``), on two key words at once
       (outputs in the order of two A fragments), and on four value words at once: the words of the
       key pairs are interleaved byte by byte first, so that each fp16 pair holds one coordinate of two
       keys, as an A fragment of ``V^T`` needs.
@@ -59,11 +59,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .layout import MMA_BITS as BITS, MMA_DIMS as DIMS  # 2-bit values and 3-bit keys or values: dim 128
-from .mse import lookup2_ptx, lookup3_ptx, lookup4_ptx, spread3_ptx
+from ._kernels.lookup import lookup2_ptx, lookup3_ptx, lookup4_ptx, spread3_ptx
+from ._kernels.mma_tile import (  # the key operand's words, layout and lookup, shared with the model-space MSE load
+    STEP, bit_range as _bits, halves as _halves, join_bits as _join_bits, key_tile as _key_tile, key_words, key_words_layout, query_order,
+)
 
 __all__ = ["DIMS", "STEP", "default_splits", "launch", "output_order", "query_order"]
 
-STEP = 16  # keys per step
 BN = gl.constexpr(STEP)
 # (key, value) widths decode_attention runs here by default: all, each measured faster than the split loop
 # (results/decode_attention.csv; 3 bits: results/decode_mma_3bit_probe.json)
@@ -99,13 +101,6 @@ MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shap
 OPERAND_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 OPERAND_B = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 
-# Two key words (the same 8 coordinates of keys a = g and b = g + 8) -> 8 fp16 pairs in the order of
-# two A fragments: (a, r0), (b, r0), (a, r1), (b, r1), (a, r2), (b, r2), (a, r3), (b, r3), r the pair.
-LOOKUP4_TWO_KEYS = gl.constexpr(
-    "{\n" + lookup4_ptx("$8", ("$0", "$2", "$4", "$6"), tables=("$10", "$11", "$12", "$13"))
-    + lookup4_ptx("$9", ("$1", "$3", "$5", "$7"), tables=("$10", "$11", "$12", "$13")) + "}")
-
-
 def _four_values() -> str:
     """Four value words (the same 8 coordinates of keys k0, k1 = pair 0 and k2, k3 = pair 1) -> 16 fp16
     pairs: output ``4 a + 2 P + d`` holds coordinate ``2 a + d`` of the two keys of pair ``P``."""
@@ -121,12 +116,6 @@ def _four_values() -> str:
 
 LOOKUP4_FOUR_VALUES = gl.constexpr(_four_values())
 
-# 2 bit: two key words (16 coordinates each) -> 16 fp16 pairs, output 2 p + x the pair p of key x
-LOOKUP2_TWO_KEYS = gl.constexpr(
-    "{\n" + lookup2_ptx("$16", [f"${2 * p}" for p in range(8)], ("$18", "$19"))
-    + lookup2_ptx("$17", [f"${2 * p + 1}" for p in range(8)], ("$18", "$19")) + "}")
-
-
 def _four_values2(half: int) -> str:
     """2 bit: four value words (keys k0, k1 = pair 0, k2, k3 = pair 1) -> 16 fp16 pairs of coordinates
     ``8 half .. 8 half + 7``: output ``4 a + 2 P + d`` holds coordinate ``8 half + 2 a + d`` of pair ``P``."""
@@ -139,13 +128,6 @@ def _four_values2(half: int) -> str:
 
 LOOKUP2_FOUR_VALUES_LO = gl.constexpr(_four_values2(0))
 LOOKUP2_FOUR_VALUES_HI = gl.constexpr(_four_values2(1))
-
-# 3 bit: two key groups (24 bits each: the same 8 coordinates of keys g and g + 8) -> 8 fp16 pairs, in the
-# order of the 4-bit lookup of two key words
-LOOKUP3_TWO_KEYS = gl.constexpr(
-    "{\n" + lookup3_ptx("$8", ("$0", "$2", "$4", "$6"), tables=("$10", "$11", "$12", "$13"))
-    + lookup3_ptx("$9", ("$1", "$3", "$5", "$7"), tables=("$10", "$11", "$12", "$13")) + "}")
-
 
 def _four_values3() -> str:
     """3 bit: four value groups (the same 8 coordinates of keys k0, k1 = pair 0 and k2, k3 = pair 1) -> 16
@@ -165,27 +147,6 @@ def _four_values3() -> str:
 LOOKUP3_FOUR_VALUES = gl.constexpr(_four_values3())
 
 
-def _bits(n: int) -> range:
-    return range(n.bit_length() - 1)
-
-
-def key_words(dim: int, bits: int) -> tuple[int, int]:
-    """(words of a key code a thread of the A fragment reads, the power of two it holds them in): 3-bit
-    codes read 3 words (four groups of 8 indices) into 4."""
-    n = dim * bits // 128
-    return n, 1 << (n - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def key_words_layout(dim: int, bits: int, warps: int = 1) -> gl.DistributedLinearLayout:
-    """``[BN warps, 4, key_words(dim, bits)[1]]`` words (key ``16 w + g + 8 j``, thread column ``t``, word ``q``) on the
-    threads of the A fragments of ``warps`` warps, 16 keys each."""
-    nw = key_words(dim, bits)[1]
-    reg = [[0, 0, 1 << i] for i in _bits(nw)] + [[8, 0, 0]]
-    lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-    return gl.DistributedLinearLayout(reg, lanes, [[STEP << i, 0, 0] for i in _bits(warps)], [], [STEP * warps, 4, nw])
-
-
 @functools.lru_cache(maxsize=None)
 def value_words_layout(dim: int, bits: int) -> gl.DistributedLinearLayout:
     """``[BN, 8, dim bits / 256]`` words (key ``16 c + 8 h + 2 t + e``, thread row ``g``, word ``w``); 3 bits
@@ -195,29 +156,10 @@ def value_words_layout(dim: int, bits: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(reg, [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [], [], [STEP, 8, nw])
 
 
-def query_order(dim: int, bits: int = 4) -> torch.Tensor:
-    """int64 ``[dim]``: the rotated coordinate at each column of the key operand (the query is permuted to match)."""
-    k = torch.arange(dim)
-    e, t = k % 2, (k // 2) % 4
-    words = dim // 32 if bits in (3, 4) else dim * bits // 128  # words (3 bits: groups of 8 indices) per thread
-    if bits in (3, 4):  # column 32 q + 16 r1 + 8 r0 + 2 t + e: pair r = r0 + 2 r1 of word (group) q
-        q, r = k // 32, (k // 8) % 2 + 2 * ((k // 16) % 2)
-        return 8 * (t * words + q) + 2 * r + e
-    q, p = k // 64, (k // 8) % 2 + 2 * ((k // 16) % 2) + 4 * ((k // 32) % 2)  # 2 bit: pair p of word q
-    return 16 * (t * words + q) + p % 4 + 4 * e + 8 * (p // 4)
-
-
 def output_order(dim: int) -> torch.Tensor:
     """int64 ``[dim]``: the rotated coordinate at each row of the output (``V^T``'s rows)."""
     n = torch.arange(dim)
     return (dim // 8) * (n % 8) + n // 8
-
-
-@gluon.jit
-def _halves(x):
-    """int32 holding an fp16 pair -> (low fp16, high fp16)."""
-    return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(gl.float16, gl.float16),
-                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -275,54 +217,6 @@ def _fetch(cache_ptr, block_table_ptr, blk, n0, end, i_b, o_nk, off_k, o_wk, m_w
     rows: gl.constexpr = gl.SliceLayout(1, MMA)
     return (w_k, w_a, w_b, gl.convert_layout(kn, rows, assert_trivial=True),
             gl.convert_layout(vn, rows, assert_trivial=True))
-
-
-@gluon.jit
-def _join_bits(xs, LEVELS: gl.constexpr):
-    """Tuple of ``2**LEVELS`` same-shape tensors -> one tensor with ``LEVELS`` new trailing axes of 2, the
-    first the lowest bit of the tuple index."""
-    for _ in gl.static_range(LEVELS):
-        ys = ()
-        for i in gl.static_range(len(xs) // 2):
-            ys = ys + (gl.join(xs[2 * i], xs[2 * i + 1]),)
-        xs = ys
-    return xs[0]
-
-
-@gluon.jit
-def _groups3(w):
-    """``[n, m, 4]`` words, the first three a 96-bit code -> ``[n, m, 4]`` its four 24-bit groups (low bits)."""
-    n: gl.constexpr = w.shape[0]
-    m: gl.constexpr = w.shape[1]
-    w_even, w_odd = gl.split(gl.reshape(w.to(gl.uint32), [n, m, 2, 2]))  # words (0, 2), (1, 3)
-    w0, w2 = gl.split(w_even)
-    w1, _ = gl.split(w_odd)
-    g = _join_bits((w0, (w0 >> 24) | (w1 << 8), (w1 >> 16) | (w2 << 16), w2 >> 8), 2)  # [n, m, a, b]: group a + 2 b
-    return gl.reshape(gl.permute(g, (0, 1, 3, 2)), [n, m, 4]).to(gl.int32)
-
-
-@gluon.jit
-def _key_tile(w_k, tk0, tk1, tk2, tk3, D: gl.constexpr, BITS: gl.constexpr, ROWS: gl.constexpr, LAYOUT: gl.constexpr):
-    """Key words ``[ROWS, 4, words]`` (``key_words_layout``) -> the A operand K ``[ROWS, D]`` fp16 in ``LAYOUT``
-    (columns in ``query_order``); 16 rows a warp."""
-    NWT: gl.constexpr = D * BITS // 128 if BITS != 3 else 4
-    if BITS == 3:  # three words (the fourth is not read) -> four groups of 8 indices, as 4-bit words are
-        w_k = _groups3(w_k)
-    # words of keys g and g + 8 side by side
-    w_ka, w_kb = gl.split(gl.permute(gl.reshape(w_k, [ROWS // 16, 2, 8, 4, NWT]), (0, 2, 3, 4, 1)))
-    if BITS != 2:
-        ko = gl.inline_asm_elementwise(LOOKUP4_TWO_KEYS if BITS == 4 else LOOKUP3_TWO_KEYS, "=r," * 8 + "r,r,r,r,r,r", [w_ka, w_kb, tk0, tk1, tk2, tk3],
-                                       dtype=(gl.int32,) * 8, is_pure=True, pack=1)
-        lo, hi = _halves(_join_bits(ko, 3))
-        # axes (m, g, t, q, key b, r0, r1, e) -> rows (m, key b, g), columns (q, r1, r0, t, e)
-        b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 6, 5, 2, 7)), [ROWS, D])
-    else:
-        ko = gl.inline_asm_elementwise(LOOKUP2_TWO_KEYS, "=r," * 16 + "r,r,r,r", [w_ka, w_kb, tk0, tk1],
-                                       dtype=(gl.int32,) * 16, is_pure=True, pack=1)
-        lo, hi = _halves(_join_bits(ko, 4))
-        # axes (m, g, t, q, key b, p0, p1, p2, e) -> rows (m, key b, g), columns (q, p2, p1, p0, t, e)
-        b_k = gl.reshape(gl.permute(gl.join(lo, hi), (0, 4, 1, 3, 7, 6, 5, 2, 8)), [ROWS, D])
-    return gl.convert_layout(b_k, LAYOUT, assert_trivial=True)
 
 
 @gluon.jit

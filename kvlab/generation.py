@@ -63,9 +63,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _checks as C
 from .cache import KVCache, KVFormat, model_shape
-from .decode import AffineSlot, _AffineStoreStep, _DecodeStep, decode_attention, prefill_attention, store_affine_slots
+from .decode import AffineSlot, AffineStoreStep, DecodeStep, decode_attention, prefill_attention, store_affine_slots
 from .layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS, MSE_BITS, MSESlot
-from .mse import _MSEStoreStep, store_mse
+from .mse import MSEStoreStep, store_mse
 from .reference import (
     AffineCodec, MSECodec, decode_attention_reference, prefill_attention_reference, write_affine_slots, write_slots,
 )
@@ -185,7 +185,7 @@ class PagedKVCacheLayer(CacheLayerMixin):
         elif o.backend == "triton":  # a decode step: launches prepared once, nothing checked, no sync
             prepared = self._store_step
             if prepared is None or prepared.shape != tuple(k.shape) or prepared.dtype != k.dtype:
-                kind = _MSEStoreStep if o.kind == "mse" else _AffineStoreStep
+                kind = MSEStoreStep if o.kind == "mse" else AffineStoreStep
                 prepared = self._store_step = kind(k, v, slots, self.cache, kc, vc)
             prepared(k, v, slots)
         elif o.kind == "mse":
@@ -225,7 +225,7 @@ class PagedKVCacheLayer(CacheLayerMixin):
             key = (tuple(qh.shape), qh.dtype, scale)
             step = self._decode_steps.get(key)
             if step is None:
-                step = self._decode_steps[key] = _DecodeStep(qh, self.cache, table, lens, o.key_codec, o.value_codec,
+                step = self._decode_steps[key] = DecodeStep(qh, self.cache, table, lens, o.key_codec, o.value_codec,
                                                              scale=scale)
             return step(qh).to(q.dtype)
         out = decode_attention(qh, self.cache, table, lens, o.key_codec, o.value_codec, scale=scale, check=False)

@@ -99,10 +99,8 @@ Checks
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import weakref
 
 import torch
 import triton
@@ -110,6 +108,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _checks as C
+from ._kernels import tables as T
+from ._kernels.mse_tile import groups3 as _groups3, join_all as _join_all, mse_tile_fast as _mse_tile_fast, mse_words as _mse_words
+from ._kernels.tables import tile_order
 from .params import MSEParams
 from .layout import MSE_BITS, NORM_BYTES, MSESlot, code_order, packed_bytes
 
@@ -509,199 +510,6 @@ def _store_mse_kernel(
 
 # ----------------------------------------------------------------------------- lookups (inline PTX)
 
-def lookup4_ptx(word: str, outs, pair_selectors=("0x5140", "0x7362"), tables=("$5", "$6", "$7", "$8")) -> str:
-    """PTX block of the 4-bit lookup: the eight 4-bit codes of the 32-bit register ``word`` -> four fp16
-    pairs ``outs`` (register names), from the byte planes of the 8 codebook magnitudes in ``tables``
-    (low bytes of entries 0-3, 4-7, high bytes 0-3, 4-7).
-
-    A code is sign-magnitude (``kvlab.layout``): its low 3 bits, the magnitude, select by one ``prmt``
-    per plane and four codes the low and the high byte; a sign-replicating ``prmt`` of the word (and
-    the word shifted by 4) puts each code's top bit, the sign, on its high byte. The last four ``prmt``
-    interleave low and high bytes into fp16 pairs: with ``pair_selectors`` ``0x5140`` / ``0x7362``
-    output ``j`` holds codes ``2 j, 2 j + 1``; with ``0x6240`` / ``0x7351`` it holds codes ``j'`` and
-    ``j' + 2`` (``j' = j + 2 (j // 2)``)."""
-    T, (s0, s1) = tables, pair_selectors
-    return f"""{{
-.reg .b32 m, mh, s, sl, sh, l0, h0, l1, h1;
-and.b32 m, {word}, 0x77777777;
-shr.b32 mh, m, 16;
-prmt.b32 l0, {T[0]}, {T[1]}, m;
-prmt.b32 h0, {T[2]}, {T[3]}, m;
-prmt.b32 l1, {T[0]}, {T[1]}, mh;
-prmt.b32 h1, {T[2]}, {T[3]}, mh;
-shl.b32 s, {word}, 4;
-prmt.b32 sl, s, {word}, 0xD9C8;
-prmt.b32 sh, s, {word}, 0xFBEA;
-and.b32 sl, sl, 0x80808080;
-or.b32 h0, h0, sl;
-and.b32 sh, sh, 0x80808080;
-or.b32 h1, h1, sh;
-prmt.b32 {outs[0]}, l0, h0, {s0};
-prmt.b32 {outs[1]}, l0, h0, {s1};
-prmt.b32 {outs[2]}, l1, h1, {s0};
-prmt.b32 {outs[3]}, l1, h1, {s1};
-}}"""
-
-
-# Each block: $0..$3 fp16 pairs of eight consecutive tile positions; inputs: the packed word, then
-# four table registers.
-_LOOKUP4 = tl.constexpr(lookup4_ptx("$4", ("$0", "$1", "$2", "$3")))
-
-
-def spread3_ptx(group: str, dst: str) -> str:
-    """PTX block: the eight 3-bit fields in the low 24 bits of ``group`` (the bits above are ignored) into
-    the eight nibbles of ``dst``, field ``j`` at bits ``4 j`` (a ``prmt`` selector). Three mask-and-shift
-    rounds."""
-    return f"""{{
-.reg .b32 sa, sb, sx;
-and.b32 sa, {group}, 0xFFF;
-shl.b32 sb, {group}, 4;
-and.b32 sb, sb, 0x0FFF0000;
-or.b32 sx, sa, sb;
-and.b32 sa, sx, 0x003F003F;
-shl.b32 sb, sx, 2;
-and.b32 sb, sb, 0x3F003F00;
-or.b32 sx, sa, sb;
-and.b32 sa, sx, 0x07070707;
-shl.b32 sb, sx, 1;
-and.b32 sb, sb, 0x70707070;
-or.b32 {dst}, sa, sb;
-}}
-"""
-
-
-def lookup3_ptx(group: str, outs, pair_selectors=("0x5140", "0x7362"), tables=("$5", "$6", "$7", "$8"),
-                spread: bool = True) -> str:
-    """PTX block of the 3-bit lookup: the eight 3-bit indices in the low 24 bits of ``group`` (the bits
-    above are ignored) -> four fp16 pairs ``outs``, from the byte planes of the 8-entry codebook in
-    ``tables`` (low bytes of entries 0-3, 4-7, high bytes 0-3, 4-7): ``spread3_ptx`` puts the indices in
-    the nibbles of a ``prmt`` selector (``spread=False``: ``group`` is that selector already), one
-    ``prmt`` per plane and four indices picks the low and the high bytes, and four ``prmt`` interleave
-    them into fp16 pairs: with ``pair_selectors`` ``0x5140`` / ``0x7362`` output ``j`` holds indices
-    ``2 j, 2 j + 1``; with ``0x6240`` / ``0x7351`` it holds indices ``j'`` and ``j' + 2``
-    (``j' = j + 2 (j // 2)``)."""
-    T, (s0, s1) = tables, pair_selectors
-    x = "x" if spread else group
-    return ("{\n.reg .b32 x, xh, l0, h0, l1, h1;\n" + (spread3_ptx(group, "x") if spread else "") + f"""shr.b32 xh, {x}, 16;
-prmt.b32 l0, {T[0]}, {T[1]}, {x};
-prmt.b32 h0, {T[2]}, {T[3]}, {x};
-prmt.b32 l1, {T[0]}, {T[1]}, xh;
-prmt.b32 h1, {T[2]}, {T[3]}, xh;
-prmt.b32 {outs[0]}, l0, h0, {s0};
-prmt.b32 {outs[1]}, l0, h0, {s1};
-prmt.b32 {outs[2]}, l1, h1, {s0};
-prmt.b32 {outs[3]}, l1, h1, {s1};
-}}""")
-
-
-_LOOKUP3 = tl.constexpr(lookup3_ptx("$4", ("$0", "$1", "$2", "$3")))
-
-# 2 bit: $0..$7 fp16 pairs of sixteen tile positions; inputs: the word, two table registers
-def lookup2_ptx(word: str, outs, tables=("$9", "$10")) -> str:
-    """PTX block of the 2-bit lookup: the sixteen 2-bit indices of ``word`` -> eight fp16 pairs ``outs``,
-    from the 4-entry fp16 codebook in the two registers ``tables``. Index ``i`` is spread to the
-    selector nibbles ``2 i, 2 i + 1`` of its byte (one multiply-add for four indices) and one ``prmt``
-    turns two bytes' indices into an fp16 pair: output ``j`` (``j < 4``) holds the indices at bits
-    ``2 j`` of bytes 0 and 1, output ``j + 4`` those of bytes 2 and 3."""
-    body = "{\n.reg .b32 x, y;\n"
-    for j in range(4):
-        body += (f"shr.b32 x, {word}, {2 * j};\nand.b32 x, x, 0x03030303;\n" if j else f"and.b32 x, {word}, 0x03030303;\n")
-        body += (f"mad.lo.u32 y, x, 0x22, 0x10101010;\nprmt.b32 {outs[j]}, {tables[0]}, {tables[1]}, y;\n"
-                 f"shr.b32 y, y, 16;\nprmt.b32 {outs[j + 4]}, {tables[0]}, {tables[1]}, y;\n")
-    return body + "}"
-
-
-_LOOKUP2 = tl.constexpr(lookup2_ptx("$8", [f"${j}" for j in range(8)]))
-
-
-@triton.jit
-def _halves(x):
-    """int32 holding an fp16 pair -> (low fp16, high fp16)."""
-    return tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(tl.float16, tl.float16),
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _join_all(xs, LEVELS: tl.constexpr):
-    """Tuple of ``2**LEVELS`` same-shape tensors -> one tensor ``[..., 2, ..., 2]`` whose flattened
-    trailing axes index the tuple in order (join ``x_i`` with ``x_{i + n/2}`` at each level)."""
-    for _ in tl.static_range(LEVELS):
-        ys = ()
-        for i in tl.static_range(len(xs) // 2):
-            ys = ys + (tl.join(xs[i], xs[i + len(xs) // 2]),)
-        xs = ys
-    return xs[0]
-
-
-@triton.jit
-def _pairs_to_tile(words, BN: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexpr):
-    """Tuple of int32 ``[BN, W]`` fp16-pair words (in tile order) -> fp16 tile ``[BN, D]``."""
-    b_lo, b_hi = _halves(_join_all(words, LEVELS))
-    return tl.reshape(tl.join(b_lo, b_hi), [BN, D])
-
-
-@triton.jit
-def _load_words(cache_ptr, o_base, o_w, m_n, ALIGN4: tl.constexpr):
-    """uint32 words ``[BN, W]``: word ``o_w`` of the code starting at byte ``o_base`` of each row (``ALIGN4``:
-    ``o_base`` a multiple of 4; else 2 more than one, as the value code of an MSE slot always is)."""
-    # Offsets in words, not bytes, so that the compiler sees a row's words as contiguous and
-    # spreads a warp's lanes along the row (coalesced) rather than one lane per row.
-    if ALIGN4:
-        p = (cache_ptr + o_base).to(tl.pointer_type(tl.uint32))
-        return tl.load(p[:, None] + o_w[None, :], mask=m_n[:, None], other=0)
-    # The code starts 2 bytes past a word boundary (a value code, after the key's fp16 norm): read the
-    # aligned words w and w + 1 around each code word, both as coalesced as the key's, and take the
-    # middle 32 bits. (Reading 2-byte halves instead makes the compiler put a warp's lanes on 32 keys.)
-    p = (cache_ptr + o_base - 2).to(tl.pointer_type(tl.uint32))[:, None] + o_w[None, :]
-    b_a = tl.load(p, mask=m_n[:, None], other=0)
-    b_b = tl.load(p + 1, mask=m_n[:, None], other=0)
-    return (b_a >> 16) | (b_b << 16)
-
-
-@triton.jit
-def _mse_words(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ALIGN4: tl.constexpr):
-    """The code words of ``BN`` rows for ``_mse_tile_fast``: three uint32 tensors (4 and 2 bit: the words, then
-    two ``[BN, 1]`` placeholders; 3 bit: words ``3 t``, ``3 t + 1``, ``3 t + 2``, ``[BN, D / 32]`` each)."""
-    if BITS == 3:
-        o_t = tl.arange(0, D // 32)
-        return (_load_words(cache_ptr, o_base, 3 * o_t, m_n, ALIGN4), _load_words(cache_ptr, o_base, 3 * o_t + 1, m_n, ALIGN4),
-                _load_words(cache_ptr, o_base, 3 * o_t + 2, m_n, ALIGN4))
-    else:  # every branch returns: Triton also compiles a return that follows a compile-time branch
-        b_none = tl.zeros([BN, 1], dtype=tl.uint32)
-        return _load_words(cache_ptr, o_base, tl.arange(0, D * BITS // 32), m_n, ALIGN4), b_none, b_none
-
-
-@triton.jit
-def _groups3(b_w0, b_w1, b_w2):
-    """3 bit: three code words -> their four 24-bit groups of 8 indices (in the low 24 bits; the bits above
-    are not masked)."""
-    return (b_w0, (b_w0 >> 24) | (b_w1 << 8), (b_w1 >> 16) | (b_w2 << 16), b_w2 >> 8)
-
-
-@triton.jit
-def _mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Centroid tile ``[BN, D]`` fp16 (tile order), by ``prmt``, from the words of ``_mse_words``."""
-    if BITS == 4:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            _LOOKUP4, "=r,=r,=r,=r,r,r,r,r,r", [b_w0, t0, t1, t2, t3],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-        return _pairs_to_tile((o0, o1, o2, o3), BN, D, 2)
-    elif BITS == 2:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _LOOKUP2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [b_w0, t0, t1],
-            dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-        return _pairs_to_tile((o0, o1, o2, o3, o4, o5, o6, o7), BN, D, 3)
-    else:
-        groups = _groups3(b_w0, b_w1, b_w2)
-        words = ()
-        for g in tl.static_range(4):
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                _LOOKUP3, "=r,=r,=r,=r,r,r,r,r,r", [groups[g], t0, t1, t2, t3],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-            words = words + (o0, o1, o2, o3)
-        return _pairs_to_tile(words, BN, D, 4)
-
-
 # ----------------------------------------------------------------------------- load
 
 
@@ -944,26 +752,9 @@ def _store_rows(out_ptr, b_out, o_r, num_rows, D: tl.constexpr, BLOCK_ROWS: tl.c
 # ----------------------------------------------------------------------------- launchers
 
 
-_TABLES = weakref.WeakKeyDictionary()  # codec -> {(name, device, ...): (source tensor, table)}
-
-
-def _cached(codec, key, source, build):
-    """``build(source)``, cached per codec while ``source`` (a codec attribute) stays the same object."""
-    try:
-        per_codec = _TABLES.setdefault(codec, {})
-    except TypeError:  # not weak-referenceable: build every call
-        per_codec = {}
-    hit = per_codec.get(key)
-    if hit is not None and hit[0] is source:
-        return hit[1]
-    table = build(source)
-    per_codec[key] = (source, table)
-    return table
-
-
 def _rotation(codec, device):
     """The dense rotation ``R`` (float32) on ``device``."""
-    return _cached(codec, ("rotation", device), codec.rotation,
+    return T.cached(codec, ("rotation", device), codec.rotation,
                    lambda r: r.to(device=device, dtype=torch.float32).contiguous())
 
 
@@ -978,18 +769,7 @@ def _rotation_t16(codec, device, order: bool = False):
             rt = rt[tile_order(codec.bits, width)]
         return rt.to(device).contiguous()
 
-    return _cached(codec, ("rotation_t16", device, order), codec.rotation, build)
-
-
-def _codebook(centroids: torch.Tensor, bits: int) -> torch.Tensor:
-    """The centroid of each code (``centroids`` ascending; ``kvlab.layout.code_order``)."""
-    return centroids[code_order(bits).to(centroids.device)]
-
-
-def _centroids(codec, device):
-    """The codebook (the centroid of each code) as float32 on ``device``."""
-    return _cached(codec, ("centroids", device), codec.centroids,
-                   lambda c: _codebook(c, codec.bits).to(device=device, dtype=torch.float32).contiguous())
+    return T.cached(codec, ("rotation_t16", device, order), codec.rotation, build)
 
 
 def _square_tuple(bits: int) -> int:
@@ -1006,7 +786,7 @@ def _square_sums(codec, device):
     ``r`` of them for ``r = 1 .. E - 1``, each section ``2**(r bits)`` entries long.
     """
     def build(centroids):
-        c = _codebook(centroids.detach().to("cpu", torch.float64), codec.bits)
+        c = T.codebook(centroids.detach().to("cpu", torch.float64), codec.bits)
         levels, bits = c.numel(), codec.bits
         sections = []
         for r in [_square_tuple(bits)] + list(range(1, _square_tuple(bits))):
@@ -1017,7 +797,7 @@ def _square_sums(codec, device):
             sections.append(acc)
         return torch.cat(sections).to(device)
 
-    return _cached(codec, ("square_sums", device, _square_tuple(codec.bits)), codec.centroids, build)
+    return T.cached(codec, ("square_sums", device, _square_tuple(codec.bits)), codec.centroids, build)
 
 
 def _midpoints(codec, device, name: str = "codec"):
@@ -1040,7 +820,7 @@ def _midpoints(codec, device, name: str = "codec"):
         tie = ((up.view(torch.int32) & 1) == 0).to(torch.int32)  # round half to even
         return mid.to(device), tie.to(device)
 
-    return _cached(codec, ("midpoints", device), codec.boundaries, build)
+    return T.cached(codec, ("midpoints", device), codec.boundaries, build)
 
 
 def _hadamard_signs(codec):
@@ -1065,7 +845,7 @@ def _sign_bits(codec, device, dtype):
             return torch.where(s < 0, -(2**31), 0).to(torch.int32).to(device)
         return torch.where(s < 0, -(2**15), 0).to(torch.int16).to(device)
 
-    return _cached(codec, ("sign_bits", device, dtype.itemsize), codec.hadamard_signs, build)
+    return T.cached(codec, ("sign_bits", device, dtype.itemsize), codec.hadamard_signs, build)
 
 
 def _hadamard_scale(codec) -> float:
@@ -1089,7 +869,7 @@ def _model_lookup_tables(cache, codec, offset: int):
     codebook that is not symmetric, or codes not all 4-byte aligned or all 2 bytes past a word boundary."""
     if codec.dim not in (32, 64, 128) or _word_phase(cache, offset) is None:
         return None
-    return _prmt_tables(codec)
+    return T.prmt_tables(codec)
 
 
 def _store_compiled_options(bits: int, num_warps: int, dim: int, piece: int = STORE_PIECE) -> dict:
@@ -1101,7 +881,7 @@ def _store_compiled_options(bits: int, num_warps: int, dim: int, piece: int = ST
 
 def _model_options() -> dict:
     """Launch options of the model-space load (``maxnreg`` only when compiled)."""
-    return {k: v for k, v in MODEL_OPTIONS.items() if k != "maxnreg" or not _interpreted()}
+    return {k: v for k, v in MODEL_OPTIONS.items() if k != "maxnreg" or not T.interpreted()}
 
 
 def _word_phase(cache, offset: int) -> int | None:
@@ -1128,7 +908,7 @@ def _store_block_d(dim: int) -> int:
     return max(16, C.next_power_of_2(dim))
 
 
-def _check_codec(name: str, codec) -> None:
+def check_codec(name: str, codec) -> None:
     if not isinstance(codec, MSEParams):
         raise TypeError(f"{name} must be an MSE codec (kvlab.MSECodec), got {type(codec).__name__}")
     C.check_int(f"{name}.bits", codec.bits, MSE_BITS)
@@ -1162,64 +942,6 @@ def _block_g(dim: int) -> int:
 
 def _default_block_rows(dim: int) -> int:
     return max(1, min(256, LOAD_TILE_ELEMENTS // (GROUP * _block_g(dim))))
-
-
-def tile_order(bits: int, dim: int) -> torch.Tensor:
-    """int64 ``[dim]``: the coordinate held by each position of an MSE tile of ``bits``-bit codes."""
-    p = torch.arange(dim)
-    if bits == 2:
-        return (p // 16) * 16 + (p % 8) // 2 + 4 * (p % 2) + 8 * ((p % 16) // 8)
-    return p
-
-
-def _signed32(v: int) -> int:
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def _byte_planes(c16: list[int]) -> tuple[int, int, int, int]:
-    """fp16 bit patterns of up to 8 entries -> (low bytes 0-3, low bytes 4-7, high bytes 0-3, high bytes 4-7)."""
-    c16 = c16 + [0] * (8 - len(c16))
-    lo = [v & 0xFF for v in c16]
-    hi = [v >> 8 for v in c16]
-    word = lambda b: _signed32(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)  # noqa: E731
-    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
-
-
-def _prmt_tables(codec):
-    """The four int32 table registers of the fast lookup, or None when the fp16 codebook does not fit it."""
-    def build(centroids):
-        c = _codebook(centroids.detach().to("cpu", torch.float32).to(torch.float16), codec.bits)
-        bits16 = [int(v) & 0xFFFF for v in c.view(torch.int16)]
-        if codec.bits == 4:  # the magnitudes, codes 0-7; needs a symmetric codebook (codes 8-15: their negatives)
-            if not (torch.equal(c[8:], -c[:8]) and bool((c[:8] > 0).all())):
-                return None
-            return _byte_planes(bits16[:8])
-        if codec.bits == 3:
-            return _byte_planes(bits16)
-        return (_signed32(bits16[0] | bits16[1] << 16), _signed32(bits16[2] | bits16[3] << 16), 0, 0)
-
-    return _cached(codec, ("prmt",), codec.centroids, build)
-
-
-def _interpreter_runs_ptx() -> bool:
-    """Whether Triton's interpreter has been given a way to run inline PTX (kvlab's tests install an
-    emulator of the few instructions the fast path uses, ``tests/ptx.py``)."""
-    from triton.runtime import interpreter
-
-    return getattr(interpreter.InterpreterBuilder.create_inline_asm, "emulates_ptx", False)
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter runs programs one by one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def store_mse(
@@ -1256,8 +978,8 @@ def store_mse(
     pieces`` (the default) is the natural tile: fewer rows leave threads computing copies, more rows
     put several rows in a thread's registers (spills). The bytes do not depend on the tiling.
     """
-    _check_codec("key_codec", key_codec)
-    _check_codec("value_codec", value_codec)
+    check_codec("key_codec", key_codec)
+    check_codec("value_codec", value_codec)
     C.check_tensor("key", key, C.FLOAT_DTYPES)
     C.check_tensor("value", value, C.FLOAT_DTYPES)
     if key.dim() != 3:
@@ -1314,7 +1036,7 @@ def store_mse(
     saved = _save_slots(cache, slot_mapping) if check else None  # a failing checked call puts them back
     specs = _store_specs(parts, (key_codec, value_codec), layout, slot_mapping, cache, norms, num_rows, dim,
                          block_rows, pieces, num_warps, piece, check, default_tiling)
-    with _on(device):
+    with T.on_device(device):
         for fn, grid, args, options in specs:
             fn[grid](**args, **options)
     if check:
@@ -1327,7 +1049,7 @@ def store_mse(
     C.record_writer(cache, key_codec, value_codec)
 
 
-class _MSEStoreStep:
+class MSEStoreStep:
     """``store_mse(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on inputs of
     one shape, dtype and layout (a decode step: one token per sequence): the checks, device tables and launch
     arguments are prepared once, and each call replays the two launches (``kvlab._launch.Launch``) with the new
@@ -1374,7 +1096,7 @@ class _MSEStoreStep:
                 or rows[0].stride(1) != 1 or rows[1].stride(1) != 1):
             store_mse(key, value, slot_mapping, self.cache, *self.codecs, check=False)
             return
-        with _on(self.cache.device):
+        with T.on_device(self.cache.device):
             for launch, x in zip(self.launches, rows):
                 launch(x_ptr=x, slot_ptr=slot_mapping)
 
@@ -1385,7 +1107,7 @@ def _store_specs(parts, codecs, layout, slot_mapping, cache, norms, num_rows: in
     num_blocks, block_size, num_heads, _ = cache.shape
     num_slots = num_blocks * block_size
     device = cache.device
-    gluon = STORE_GLUON and device.type == "cuda" and not _interpreted() and default_tiling
+    gluon = STORE_GLUON and device.type == "cuda" and not T.interpreted() and default_tiling
     specs = []
     for p, codec, offset, index_bytes, part_norms in (
         (parts[0], codecs[0], 0, layout.key_bytes, norms[0]),
@@ -1414,7 +1136,7 @@ def _store_specs(parts, codecs, layout, slot_mapping, cache, norms, num_rows: in
             INDEX_BYTES=index_bytes, HEAD=p["head"], HADAMARD=p["hadamard"],
             NORM_CORRECTION=bool(codec.norm_correction), CHECK=check)
         options = dict(num_warps=num_warps, enable_fp_fusion=False,
-                       **({} if _interpreted() else _store_compiled_options(codec.bits, num_warps, dim, piece)))
+                       **({} if T.interpreted() else _store_compiled_options(codec.bits, num_warps, dim, piece)))
         specs.append((_store_mse_kernel, (C.cdiv(num_rows, block_rows),), args, options))
     return specs
 
@@ -1475,7 +1197,7 @@ def load_mse(
     index; ``None`` (default) does when it can: on a GPU, dims of 32, 64 or 128, a symmetric
     4-bit codebook, codes that all start 4-byte aligned or all 2 bytes past a word boundary.
     """
-    _check_codec("codec", codec)
+    check_codec("codec", codec)
     C.check_choice("part", part, ("key", "value"))
     C.check_choice("space", space, ("rotated", "model"))
     if out_dtype not in C.FLOAT_DTYPES:
@@ -1505,10 +1227,10 @@ def load_mse(
         raise ValueError(f"block_rows must be >= 16 for space='model' with a 16-bit out_dtype (a tensor-core tile), got {block_rows}")
 
     device, dim, num_rows = cache.device, codec.dim, num_tokens * num_heads
-    rot, cent = _rotation(codec, device), _centroids(codec, device)
+    rot, cent = _rotation(codec, device), T.centroids(codec, device)
     align = _alignment(cache, offset)
     tables = _model_lookup_tables(cache, codec, offset) if fused else None
-    can_fast = tables is not None and (not _interpreted() or _interpreter_runs_ptx())
+    can_fast = tables is not None and (not T.interpreted() or T.interpreter_runs_ptx())
     if fast is None:
         fast = can_fast
     elif not isinstance(fast, bool):
@@ -1520,7 +1242,7 @@ def load_mse(
     phase = _word_phase(cache, offset)
     words3 = not fused and codec.bits == 3 and dim in (32, 64, 128, 256) and phase is not None
     out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" or fused else torch.float32, device=device)
-    major = None if _interpreted() else torch.cuda.get_device_capability(device)[0]  # compute capability
+    major = None if T.interpreted() else torch.cuda.get_device_capability(device)[0]  # compute capability
     # fused, compiled for Hopper at the default tile: the Gluon kernel (centroid tiles made in the MMA's registers)
     mma = (fused and fast and MODEL_MMA and major == 9 and block_rows == MODEL_TILE_ROWS
            and num_warps == MODEL_NUM_WARPS)
@@ -1529,10 +1251,10 @@ def load_mse(
 
         mma = mse_mma.supports(dim, codec.bits)
     if num_rows and mma:
-        grid = (min(C.cdiv(num_rows, mse_mma.TILE_ROWS), mse_mma.PROGRAMS_PER_SM * _sm_count(device)),)
-        b = _cached(codec, ("mma_b", device), codec.rotation,
+        grid = (min(C.cdiv(num_rows, mse_mma.TILE_ROWS), mse_mma.PROGRAMS_PER_SM * T.sm_count(device)),)
+        b = T.cached(codec, ("mma_b", device), codec.rotation,
                     lambda r: mse_mma.operand_b(r, codec.bits).to(device))
-        with _on(device):
+        with T.on_device(device):
             mse_mma.launch(grid, (cache, slot_mapping, b, out, *tables, num_rows, num_blocks * block_size,
                                   slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), grid[0]),
                            dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits, OFFSET=offset,
@@ -1544,8 +1266,8 @@ def load_mse(
                     and (major is None or major >= 9))
         tiles = C.cdiv(num_rows, block_rows)
         # fused: persistent programs, a few per SM, each loading R^T once
-        grid = (min(tiles, MODEL_PROGRAMS_PER_SM * _sm_count(device)) if fused else tiles,)
-        with _on(device):
+        grid = (min(tiles, MODEL_PROGRAMS_PER_SM * T.sm_count(device)) if fused else tiles,)
+        with T.on_device(device):
             _load_mse_kernel[grid](
                 cache, slot_mapping, cent, rt,
                 TensorDescriptor.from_tensor(out, [block_rows, dim]) if out_desc else out,
@@ -1563,11 +1285,11 @@ def load_mse(
                 OFFSET=offset,
                 UNIT=max(u for u in (1, 2, 4) if codec.bits % u == 0 and align % u == 0),
                 NORM_ALIGNED=align % 2 == 0 and index_bytes % 2 == 0,
-                BF16_BY_BITS=out.dtype == torch.bfloat16 and _interpreted(),
+                BF16_BY_BITS=out.dtype == torch.bfloat16 and T.interpreted(),
                 MODEL=fused,
                 FAST=fast,
                 ALIGN4=(fast or words3) and phase == 0,
-                INTERPRETED_TILES=C.cdiv(tiles, grid[0]) if fused and _interpreted() else 0,
+                INTERPRETED_TILES=C.cdiv(tiles, grid[0]) if fused and T.interpreted() else 0,
                 WORDS3=words3,
                 OUT_DESC=out_desc,
                 num_warps=num_warps,

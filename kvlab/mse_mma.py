@@ -7,7 +7,7 @@ What
 
 How (per tile of ``TILE_ROWS = 64`` rows, one warpgroup of 4 warps, 16 rows a warp)
     * The A operand is made in registers: a thread of an A fragment reads the words of its rows' codes
-      that hold its columns (``kvlab.decode_mma.key_words_layout``), and the byte-permute lookups of the
+      that hold its columns (``kvlab._kernels.mma_tile.key_words_layout``), and the byte-permute lookups of the
       decode loop turn them into the fp16 centroid tile *in* the register layout of the operand (its
       columns in ``query_order``). No tile goes through shared memory and no barrier separates the
       lookup from the product.
@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from .layout import MMA_BITS as BITS, MMA_DIMS as DIMS  # 3 bit: dim 128 (a thread's code is four whole groups of 8 indices)
-from .decode_mma import _key_tile, key_words_layout, query_order
+from ._kernels.mma_tile import key_tile as _key_tile, key_words_layout, query_order
 
 __all__ = ["DIMS", "TILE_ROWS", "column_order", "launch", "operand_b"]
 
@@ -136,7 +136,7 @@ def model_load_kernel(
     slot_ptr,  # int32/int64 [num_tokens]
     b_ptr,  # fp16 [D, D]: R^T, rows in query_order, columns in column_order (operand_b)
     out_ptr,  # fp16/bf16 [num_rows, D], 16-byte aligned; row = token * NUM_HEADS + head
-    t0, t1, t2, t3,  # byte planes of the codebook (kvlab.mse._prmt_tables)
+    t0, t1, t2, t3,  # byte planes of the codebook (kvlab._kernels.tables.prmt_tables)
     num_rows,
     num_slots,
     stride_slot,

@@ -38,7 +38,7 @@ import torch
 
 from . import _checks as C
 from .layout import MSE_BITS, NORM_BYTES
-from .reference import MSECodec, _fp16_bytes, _fp16_from_bytes
+from .reference import MSECodec, fp16_bytes, fp16_from_bytes
 
 __all__ = ["QJLCodec", "pack_signs", "unpack_signs"]
 
@@ -132,7 +132,7 @@ class QJLCodec:
         if bool((r_norm > C.FP16_MAX).any()):
             raise ValueError(f"x has vectors whose residual norm exceeds {C.FP16_MAX:g}; it is stored in fp16")
         positive = (r @ self.sketch.to(x.device).T) >= 0
-        return torch.cat([mse_codes, pack_signs(positive), _fp16_bytes(r_norm)], -1)
+        return torch.cat([mse_codes, pack_signs(positive), fp16_bytes(r_norm)], -1)
 
     def _split(self, codes: torch.Tensor):
         C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=self.nbytes)
@@ -147,11 +147,11 @@ class QJLCodec:
     def residual_norm(self, codes: torch.Tensor) -> torch.Tensor:
         """The stored ``||r||`` (fp16, returned as float32 ``[...]``)."""
         _, _, norm = self._split(codes)
-        return _fp16_from_bytes(norm).float()
+        return fp16_from_bytes(norm).float()
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """``k_tilde = k_mse + ||r|| sqrt(pi / 2) / m * S^T z``, float32 ``[..., dim]``."""
         mse_codes, signs, norm = self._split(codes)
         z = unpack_signs(signs, self.sketch_dim)
-        scale = _fp16_from_bytes(norm).float() * (math.sqrt(math.pi / 2) / self.sketch_dim)
+        scale = fp16_from_bytes(norm).float() * (math.sqrt(math.pi / 2) / self.sketch_dim)
         return self.mse.decode(mse_codes) + scale.unsqueeze(-1) * (z @ self.sketch.to(codes.device))

@@ -89,13 +89,13 @@ def _unpack_indices(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return (word >> shift) & ((1 << bits) - 1)
 
 
-def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
     """fp16 values ``[...]`` -> little-endian bytes ``[..., 2]``."""
     u = x.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     return torch.stack([u & 0xFF, u >> 8], -1).to(torch.uint8)
 
 
-def _fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
+def fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
     """Little-endian bytes ``[..., 2]`` -> fp16 ``[...]``."""
     u = b[..., 0].to(torch.int32) | (b[..., 1].to(torch.int32) << 8)
     return torch.where(u >= 0x8000, u - 0x10000, u).to(torch.int16).view(torch.float16)
@@ -146,7 +146,7 @@ class MSECodec(MSEParams):
             length = self.codebook.to(x.device)[code].double().square().sum(-1).sqrt().float()
             scale = norm / length  # fp32, correctly rounded; every centroid is nonzero, so length > 0
         C.check_fp16_scales("x", scale)
-        return torch.cat([_pack_indices(code, self.bits), _fp16_bytes(scale)], -1)
+        return torch.cat([_pack_indices(code, self.bits), fp16_bytes(scale)], -1)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ rotation`` in float32, computed as the encoder does (exactly reproducible for Hadamard)."""
@@ -161,7 +161,7 @@ class MSECodec(MSEParams):
         C.check_choice("space", space, ("model", "rotated"))
         code = _unpack_indices(codes[..., : self.index_bytes], self.bits, self.dim)
         # the stored scale already holds the norm correction: decoding is centroid times scale
-        y = self.codebook.to(codes.device)[code] * _fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
+        y = self.codebook.to(codes.device)[code] * fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
         return y if space == "rotated" else y @ self.rotation.to(codes.device).T
 
 
@@ -218,10 +218,10 @@ class AffineCodec(AffineParams):
         q = self._ungrouped(q, x.shape)
         packed = _pack_indices(q, self.bits)
         if self.axis == "token":
-            return torch.cat([packed, _fp16_bytes(scale).flatten(-2), _fp16_bytes(zero).flatten(-2)], -1)
+            return torch.cat([packed, fp16_bytes(scale).flatten(-2), fp16_bytes(zero).flatten(-2)], -1)
         # [..., T, P] -> [..., T/G, G*P], then per-channel scales and zeros of the group
         packed = packed.reshape(*packed.shape[:-2], -1, self.group_size * packed.shape[-1])
-        return torch.cat([packed, _fp16_bytes(scale).flatten(-2), _fp16_bytes(zero).flatten(-2)], -1)
+        return torch.cat([packed, fp16_bytes(scale).flatten(-2), fp16_bytes(zero).flatten(-2)], -1)
 
     def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
         """uint8 codes -> float32 ``[..., dim]`` (token axis) or ``[..., tokens, dim]`` (channel axis)."""
@@ -238,8 +238,8 @@ class AffineCodec(AffineParams):
             q = _unpack_indices(rows, self.bits, dim)  # [..., T/G, G, dim]
             q = q.reshape(*codes.shape[:-2], -1, dim)
             meta = codes[..., self.group_size * p :]
-        scale = _fp16_from_bytes(meta[..., : 2 * ngroups].reshape(*meta.shape[:-1], ngroups, 2)).float()
-        zero = _fp16_from_bytes(meta[..., 2 * ngroups :].reshape(*meta.shape[:-1], ngroups, 2)).float()
+        scale = fp16_from_bytes(meta[..., : 2 * ngroups].reshape(*meta.shape[:-1], ngroups, 2)).float()
+        zero = fp16_from_bytes(meta[..., 2 * ngroups :].reshape(*meta.shape[:-1], ngroups, 2)).float()
         g = self._grouped(q.float())
         return self._ungrouped(g * scale.unsqueeze(-1) + zero.unsqueeze(-1), q.shape)
 

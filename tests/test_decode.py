@@ -317,14 +317,15 @@ def test_mma_lookups_give_operand_pairs():
     import ptx
 
     from kvlab import decode_mma
-    from kvlab.mse import _prmt_tables
+    from kvlab._kernels import mma_tile
+    from kvlab._kernels.tables import prmt_tables as _prmt_tables
 
     g = np.random.default_rng(0)
     words = g.integers(0, 2**32, size=(4, 64), dtype=np.uint64).astype(np.uint32)
     pair = lambda lo, hi: c16[lo] | (c16[hi] << 16)  # noqa: E731
     # 4 and 3 bit (a 3-bit group is the low 24 bits of a word, the bits above are ignored): the same order
-    for bits, two_keys, four_values in ((4, decode_mma.LOOKUP4_TWO_KEYS, decode_mma.LOOKUP4_FOUR_VALUES),
-                                        (3, decode_mma.LOOKUP3_TWO_KEYS, decode_mma.LOOKUP3_FOUR_VALUES)):
+    for bits, two_keys, four_values in ((4, mma_tile.LOOKUP4_TWO_KEYS, decode_mma.LOOKUP4_FOUR_VALUES),
+                                        (3, mma_tile.LOOKUP3_TWO_KEYS, decode_mma.LOOKUP3_FOUR_VALUES)):
         kc = mse_codecs(128, bits, bits, "haar")[0]
         tables = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc)]
         c16 = kc.codebook.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
@@ -343,7 +344,7 @@ def test_mma_lookups_give_operand_pairs():
     tables2 = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc2)[:2]]
     c16 = kc2.codebook.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
     idx = [(words[i][None, :] >> (2 * np.arange(16)[:, None]).astype(np.uint32)) & 3 for i in range(4)]  # [16, 64]
-    outs = ptx.run(decode_mma.LOOKUP2_TWO_KEYS.value, "=r," * 16 + "r," * 3 + "r", [words[0], words[1], *tables2])
+    outs = ptx.run(mma_tile.LOOKUP2_TWO_KEYS.value, "=r," * 16 + "r," * 3 + "r", [words[0], words[1], *tables2])
     for p in range(8):
         c = p % 4 + 8 * (p // 4)
         for x in range(2):
@@ -450,7 +451,7 @@ def _read_words_kernel(cache_ptr, o_base_ptr, out_ptr, BN: tl.constexpr, D: tl.c
     o_n = tl.arange(0, BN)
     o_base = tl.load(o_base_ptr + o_n)
     m_n = o_n < BN - 1  # the last row is masked: it reads zeros
-    w0, w1, w2 = kvlab.mse._mse_words(cache_ptr, o_base, m_n, BN, D, BITS, ALIGN4)
+    w0, w1, w2 = kvlab._kernels.mse_tile.mse_words(cache_ptr, o_base, m_n, BN, D, BITS, ALIGN4)
     o_w = tl.arange(0, W)
     tl.store(out_ptr + o_n[:, None] * 3 * W + o_w[None, :], w0)
     if BITS == 3:

@@ -229,7 +229,7 @@ def test_model_space_load_loops_over_tiles(bits, fast, device, monkeypatch):
     if device == "cpu":
         monkeypatch.setattr(kvlab.mse, "_sm_count", lambda device: 1)
     dim, heads, block_size, block_rows = 64, 3, 16, 16
-    programs = kvlab.mse.MODEL_PROGRAMS_PER_SM * kvlab.mse._sm_count(torch.device(device))
+    programs = kvlab.mse.MODEL_PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
     tokens = 2 * programs * block_rows // heads + 51  # three tiles or more a program, the last tile partial
     kc, vc = codecs(dim, bits, bits, "hadamard")
     layout = kvlab.MSESlot(dim, bits, bits)
@@ -295,7 +295,7 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
     from kvlab import mse_mma
 
     heads = 3
-    programs = mse_mma.PROGRAMS_PER_SM * kvlab.mse._sm_count(torch.device(device))
+    programs = mse_mma.PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
     tokens = 2 * programs * mse_mma.TILE_ROWS // heads + 29  # more than two tiles a program, the last tile partial
     kc, vc, layout, slots, cache = written_cache(dim, bits, heads, tokens, 20 + bits, 5, device)
     keep = (slots >= 0).view(-1, 1, 1)

@@ -7,7 +7,7 @@ import torch
 
 import kvlab
 from kvlab.layout import code_order
-from kvlab.reference import _fp16_bytes, _fp16_from_bytes
+from kvlab.reference import fp16_bytes, fp16_from_bytes
 
 
 def rel_err(a, b):
@@ -32,11 +32,11 @@ def test_pack_byte_layout():
     assert kvlab.pack_indices(torch.tensor([7] * 8), 3).tolist() == [0xFF, 0xFF, 0xFF]
 
 
-def test_fp16_bytes_little_endian():
+def testfp16_bytes_little_endian():
     x = torch.tensor([1.0, -2.5, 65504.0, 0.0, 6e-8], dtype=torch.float16)
-    b = _fp16_bytes(x)
+    b = fp16_bytes(x)
     assert b[0].tolist() == [0x00, 0x3C] and b[1].tolist() == [0x00, 0xC1]
-    assert torch.equal(_fp16_from_bytes(b), x)
+    assert torch.equal(fp16_from_bytes(b), x)
 
 
 @pytest.mark.parametrize("dim, rotation", [(64, "haar"), (128, "hadamard"), (100, "haar"), (256, "hadamard")])
@@ -61,10 +61,10 @@ def test_mse_code_layout_and_norm():
     # the stored scale: the norm without norm correction; with it, the norm over |c[idx]|, rounded once
     plain = kvlab.MSECodec(128, 4, norm_correction=False)
     assert torch.equal(plain.encode(x)[..., :64], codes[..., :64])
-    norms = _fp16_from_bytes(plain.encode(x)[..., 64:])
+    norms = fp16_from_bytes(plain.encode(x)[..., 64:])
     assert torch.equal(norms, x.norm(dim=-1).half())
     length = codec.codebook[kvlab.unpack_indices(codes[..., :64], 4, 128)].double().square().sum(-1).sqrt().float()
-    assert torch.equal(_fp16_from_bytes(codes[..., 64:]), (x.norm(dim=-1) / length).half())
+    assert torch.equal(fp16_from_bytes(codes[..., 64:]), (x.norm(dim=-1) / length).half())
     # rotated and model space agree through the rotation; norm correction keeps the norm (fp16 rounding)
     rot = codec.decode(codes, space="rotated")
     torch.testing.assert_close(codec.decode(codes), rot @ codec.rotation.T)
