@@ -109,7 +109,7 @@ def main() -> int:
 
     from benchmarks.bench_decode import codecs as mse_codecs, copy_bandwidth, random_cache as mse_cache
     from benchmarks.common import bench_graph, run_tests, write_csv
-    from kvlab.decode import decode_attention as mse_decode
+    from kvlab.attention import decode_attention as mse_decode
 
     tests = run_tests(["tests/test_transform_attention.py", "tests/test_transform_kernels.py"])
     print("tests:", tests["summary"], flush=True)

@@ -70,7 +70,7 @@ def run() -> None:
     import torch
 
     from benchmarks.bench_decode import HKV, HQ, DIM, HEADLINE, codecs, random_cache
-    from kvlab.decode import decode_attention
+    from kvlab.attention import decode_attention
 
     b, L = HEADLINE
     calls = []

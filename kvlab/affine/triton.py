@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _checks as C
-from .layout import AFFINE_BITS as PACK_BITS, packed_bytes
+from .. import _checks as C
+from ..layout import AFFINE_BITS as PACK_BITS, packed_bytes
 
 __all__ = [
     "MixedAffineLayout",

@@ -112,16 +112,16 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _checks as C
-from . import decode_mma
-from .affine import affine_code_bytes, pack_affine, unpack_affine
-from .params import AffineParams, CenteredParams, MSEParams
-from .layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS as DIMS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
-from .centered import load_centered_mse
-from ._kernels import tables as T  # per-codec device tables (rebuilt when the codec's tensors change), SMs
-from ._kernels.mse_tile import load_words as _load_words, mse_tile_fast as _mse_tile_fast, mse_words as _mse_words, pairs_to_tile as _pairs_to_tile
-from ._kernels.tables import tile_order
-from .mse import load_mse
+from .. import _checks as C
+from . import gluon as decode_mma
+from ..affine.triton import affine_code_bytes, pack_affine, unpack_affine
+from ..params import AffineParams, CenteredParams, MSEParams
+from ..layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS as DIMS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
+from ..centered.api import load_centered_mse
+from .._kernels import tables as T  # per-codec device tables (rebuilt when the codec's tensors change), SMs
+from .._kernels.mse_tile import load_words as _load_words, mse_tile_fast as _mse_tile_fast, mse_words as _mse_words, pairs_to_tile as _pairs_to_tile
+from .._kernels.tables import tile_order
+from ..mse.triton import load_mse
 
 __all__ = [
     "AffineSlot",
@@ -1253,7 +1253,7 @@ class DecodeStep:
     (not centred keys); the loop is ``decode_attention``'s default for the shape."""
 
     def __init__(self, q, cache, block_table, seq_lens, key_codec, value_codec, *, scale=None):
-        from ._launch import Launch
+        from .._kernels.launch import Launch
 
         decode_attention(q, cache, block_table, seq_lens, key_codec, value_codec, scale=scale, check=False)  # checks
         batch, num_q_heads, dim = q.shape
@@ -1366,8 +1366,8 @@ class AffineStoreStep:
     into their slots. The bytes are ``store_affine_slots``'s; other inputs go through it."""
 
     def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
-        from ._launch import Launch
-        from .affine import pack_token_spec
+        from .._kernels.launch import Launch
+        from ..affine.triton import pack_token_spec
 
         store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks
         num_tokens, num_heads, dim = key.shape

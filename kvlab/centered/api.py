@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks as C
-from .layout import MSESlot
-from .params import CenteredParams
-from .mse import check_codec, load_mse, store_mse
+from .. import _checks as C
+from ..layout import MSESlot
+from ..params import CenteredParams
+from ..mse.triton import check_codec, load_mse, store_mse
 
 __all__ = ["load_centered_mse", "store_centered_mse"]
 

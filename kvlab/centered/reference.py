@@ -41,9 +41,9 @@ import hashlib
 
 import torch
 
-from . import _checks as C
-from .params import CenteredParams
-from .reference import MSECodec
+from .. import _checks as C
+from ..params import CenteredParams
+from ..reference import MSECodec
 
 __all__ = ["CenteredMSECodec", "stats_fingerprint"]
 

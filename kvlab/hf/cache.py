@@ -96,13 +96,13 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import _checks as C
-from .calibration import ChannelStats
-from .centered_reference import CenteredMSECodec
+from .. import _checks as C
+from ..calibration import ChannelStats
+from ..centered.reference import CenteredMSECodec
 from .decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
-from .layout import AFFINE_BITS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
-from .reference import AffineCodec, MSECodec, read_slots, write_slots
-from .rotation import KINDS as ROTATIONS, MAX_DIM
+from ..layout import AFFINE_BITS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
+from ..reference import AffineCodec, MSECodec, read_slots, write_slots
+from ..rotation import KINDS as ROTATIONS, MAX_DIM
 
 __all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
 
@@ -273,13 +273,13 @@ def _affine_codec(bits: int, group_size: int, axis: str) -> AffineCodec:
 
 def _triton():
     """kvlab's Triton launchers, imported on first use."""
-    from . import affine, mse
+    from .. import affine, mse
 
     return affine, mse
 
 
 def _centered_kernels():
-    from . import centered
+    from .. import centered
 
     return centered
 
@@ -453,7 +453,7 @@ class _TransformStore(_MSEStore):
         self.tokens = 0
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        from .transform import reference as TR, triton as TK
+        from ..transform import reference as TR, triton as TK
 
         batch, heads, n, dim = k.shape
         stop = self.tokens + n
@@ -486,7 +486,7 @@ class _TransformStore(_MSEStore):
         self.tokens = stop
 
     def read(self, dtype: torch.dtype):
-        from .transform import reference as TR, triton as TK
+        from ..transform import reference as TR, triton as TK
 
         if self.tokens == 0:
             return None, None
@@ -853,7 +853,7 @@ class KVCache(Cache):
                              "KVCache(..., key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
 
         if transform is not None:
-            from .transform import TransformKV
+            from ..transform import TransformKV
 
             if not isinstance(transform, TransformKV):
                 raise TypeError(f"transform must be a kvlab.transform.TransformKV (kvlab.transform.calibration.calibrate), "

@@ -61,12 +61,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import _checks as C
+from .. import _checks as C
 from .cache import KVCache, KVFormat, model_shape
-from .decode import AffineSlot, AffineStoreStep, DecodeStep, decode_attention, prefill_attention, store_affine_slots
-from .layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS, MSE_BITS, MSESlot
-from .mse import MSEStoreStep, store_mse
-from .reference import (
+from ..attention.triton import AffineSlot, AffineStoreStep, DecodeStep, decode_attention, prefill_attention, store_affine_slots
+from ..layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS, MSE_BITS, MSESlot
+from ..mse.triton import MSEStoreStep, store_mse
+from ..reference import (
     AffineCodec, MSECodec, decode_attention_reference, prefill_attention_reference, write_affine_slots, write_slots,
 )
 

@@ -72,7 +72,7 @@ from pathlib import Path
 
 import torch
 
-from . import _checks as C
+from .. import _checks as C
 
 __all__ = [
     "GGUF_FILE",

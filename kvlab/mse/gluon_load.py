@@ -33,8 +33,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from .layout import MMA_BITS as BITS, MMA_DIMS as DIMS  # 3 bit: dim 128 (a thread's code is four whole groups of 8 indices)
-from ._kernels.mma_tile import key_tile as _key_tile, key_words_layout, query_order
+from ..layout import MMA_BITS as BITS, MMA_DIMS as DIMS  # 3 bit: dim 128 (a thread's code is four whole groups of 8 indices)
+from .._kernels.mma_tile import key_tile as _key_tile, key_words_layout, query_order
 
 __all__ = ["DIMS", "TILE_ROWS", "column_order", "launch", "operand_b"]
 

@@ -35,7 +35,7 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .layout import STORE_GLUON_DIMS as DIMS
+from ..layout import STORE_GLUON_DIMS as DIMS
 
 __all__ = ["DIMS", "launch", "layout_constants", "layouts", "options", "rows", "supports"]
 

@@ -107,12 +107,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import _checks as C
-from ._kernels import tables as T
-from ._kernels.mse_tile import groups3 as _groups3, join_all as _join_all, mse_tile_fast as _mse_tile_fast, mse_words as _mse_words
-from ._kernels.tables import tile_order
-from .params import MSEParams
-from .layout import MSE_BITS, NORM_BYTES, MSESlot, code_order, packed_bytes
+from .. import _checks as C
+from .._kernels import tables as T
+from .._kernels.mse_tile import groups3 as _groups3, join_all as _join_all, mse_tile_fast as _mse_tile_fast, mse_words as _mse_words
+from .._kernels.tables import tile_order
+from ..params import MSEParams
+from ..layout import MSE_BITS, NORM_BYTES, MSESlot, code_order, packed_bytes
 
 __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_rotated"]
 
@@ -1057,7 +1057,7 @@ class MSEStoreStep:
 
     def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
         store_mse(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks shapes; compiles
-        from ._launch import Launch
+        from .._kernels.launch import Launch
 
         self.cache, self.codecs = cache, (key_codec, value_codec)
         self.shape, self.dtype = tuple(key.shape), key.dtype
@@ -1114,7 +1114,7 @@ def _store_specs(parts, codecs, layout, slot_mapping, cache, norms, num_rows: in
         (parts[1], codecs[1], layout.value_offset, layout.value_bytes, norms[1]),
     ):
         if gluon and p["hadamard"]:
-            from . import mse_store
+            from . import gluon_store as mse_store
 
             if mse_store.supports(dim, p["head"]):
                 specs.append(mse_store.spec(
@@ -1247,7 +1247,7 @@ def load_mse(
     mma = (fused and fast and MODEL_MMA and major == 9 and block_rows == MODEL_TILE_ROWS
            and num_warps == MODEL_NUM_WARPS)
     if mma:
-        from . import mse_mma
+        from . import gluon_load as mse_mma
 
         mma = mse_mma.supports(dim, codec.bits)
     if num_rows and mma:

@@ -58,8 +58,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks as C
-from .reference import MSECodec
+from .. import _checks as C
+from ..reference import MSECodec
 
 __all__ = [
     "AttentionInputs",

@@ -13,9 +13,9 @@ import hashlib
 
 import torch
 
-from .calibration import RoPE
-from .centered_reference import CenteredMSECodec
-from .reference import AffineCodec, MSECodec
+from ..calibration import RoPE
+from ..centered.reference import CenteredMSECodec
+from ..reference import AffineCodec, MSECodec
 
 __all__ = ["codec_fingerprint", "transform_fingerprint"]
 
@@ -55,8 +55,8 @@ def codec_fingerprint() -> str:
 def transform_fingerprint() -> str:
     """SHA-256 (hex, 16 characters) of the codes of a transform codec calibrated on fixed synthetic vectors
     (``kvlab.transform.calibration``: weighting, KLT, codebooks, greedy and uniform bits) and of its encoding."""
-    from .transform import reference as TR
-    from .transform.calibration import assemble, fit_curves
+    from ..transform import reference as TR
+    from ..transform.calibration import assemble, fit_curves
 
     g = torch.Generator().manual_seed(20261204)
     x = _vectors(512, 2, 16) @ torch.randn(16, 16, generator=g)  # correlated channels

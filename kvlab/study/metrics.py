@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks as C
+from .. import _checks as C
 
 __all__ = [
     "KINDS",

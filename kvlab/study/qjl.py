@@ -36,9 +36,9 @@ import math
 
 import torch
 
-from . import _checks as C
-from .layout import MSE_BITS, NORM_BYTES
-from .reference import MSECodec, fp16_bytes, fp16_from_bytes
+from .. import _checks as C
+from ..layout import MSE_BITS, NORM_BYTES
+from ..reference import MSECodec, fp16_bytes, fp16_from_bytes
 
 __all__ = ["QJLCodec", "pack_signs", "unpack_signs"]
 

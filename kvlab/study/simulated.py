@@ -45,11 +45,11 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import _checks as C
-from .calibration import ChannelStats
-from .centered_reference import CenteredMSECodec
-from .decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
-from .reference import MSECodec
+from .. import _checks as C
+from ..calibration import ChannelStats
+from ..centered.reference import CenteredMSECodec
+from ..hf.decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
+from ..reference import MSECodec
 
 __all__ = ["Part", "SimulatedCache", "centered_part", "fp16_part", "mse_part", "pre_rope", "rope_tables", "split_part",
            "transform_part"]
@@ -331,7 +331,7 @@ class SimulatedCache(Cache):
 def transform_part(codec, rope_tables: Callable | None = None) -> Part:
     """``kvlab.transform.TransformCodec`` of one layer's keys or values (the layer's heads flattened, then split
     into the codec's groups); with ``rope_tables`` (``rope_tables(model)``) the keys are coded before RoPE."""
-    from .transform import reference as TR
+    from ..transform import reference as TR
 
     def fn(x, pos):
         b, heads, n, dim = x.shape

@@ -1,4 +1,4 @@
-"""Triton affine kernels (kvlab.affine) against the pure-torch AffineCodec: same bytes, same values."""
+"""Triton affine kernels (kvlab.affine.triton) against the pure-torch AffineCodec: same bytes, same values."""
 
 import ast
 import functools
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvlab
-import kvlab.affine as affine
+import kvlab.affine.triton as affine
 from kvlab.affine import MixedAffineLayout
 from kvlab.reference import AffineCodec
 

@@ -1,4 +1,4 @@
-"""Fused decode attention (kvlab.decode) against fp32 attention over the dequantized cache (kvlab.reference).
+"""Fused decode attention (kvlab.attention.triton) against fp32 attention over the dequantized cache (kvlab.reference).
 
 Caches are written by the reference codecs (``write_slots`` / ``write_affine_slots``), physical blocks
 are shuffled, unused block-table entries point far outside the cache, and the output is compared by
@@ -16,7 +16,8 @@ import triton.language as tl
 
 import kvlab
 from kvlab import reference as ref
-from kvlab.decode import AffineSlot, decode_attention, prefill_attention, rotate_attention_output, store_affine_slots, tile_order
+from kvlab.attention import AffineSlot, decode_attention, prefill_attention, rotate_attention_output, store_affine_slots
+from kvlab.attention.triton import tile_order
 
 CUDA = torch.cuda.is_available()
 TOL = 1e-2
@@ -151,7 +152,7 @@ CENTERED_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-k{c[4]}
 def centered_setup(case, device, seed=0):
     """Keys with a large per-channel mean (turned by RoPE at their positions) in a centred-key MSE cache."""
     from kvlab.calibration import RoPE
-    from kvlab.centered_reference import CenteredMSECodec
+    from kvlab.centered import CenteredMSECodec
 
     lens, hq, hkv, dim, kb, vb, block_size, rotation, rope, offset = case
     g = torch.Generator().manual_seed(seed + 7)
@@ -188,7 +189,7 @@ def test_centered_decode_matches_reference(case, fast, loop, device):
 
 def test_rope_mean_scores_are_the_query_against_the_turned_mean(device):
     q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(CENTERED_CASES[1], device)
-    scores = kvlab.decode.rope_mean_scores(q, kc, 50, position_offset=offset)
+    scores = kvlab.attention.rope_mean_scores(q, kc, 50, position_offset=offset)
     turned = kc.mean_rows(torch.arange(offset, offset + 50), (50,))  # [50, hkv, dim] fp32
     expected = torch.einsum("bhgd,nhd->bhgn", q.cpu().double().view(q.shape[0], kc.num_heads, -1, q.shape[-1]),
                             turned.double()).reshape(q.shape[0], q.shape[1], 50)
@@ -231,7 +232,7 @@ def test_longer_context_default_launch(device):
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
 
 
-# the loop of kvlab.decode_mma (MSE keys and values of 2, 3 or 4 bits): batch lengths, q heads, kv heads, dim,
+# the loop of kvlab.attention.gluon (MSE keys and values of 2, 3 or 4 bits): batch lengths, q heads, kv heads, dim,
 # key bits, value bits, block size, rotation
 MMA_CASES = [
     ([1], 4, 4, 64, 4, 4, 16, "haar"),  # one cached token, GQA ratio 1
@@ -264,12 +265,12 @@ def test_mma_decode_matches_reference(case, num_splits, device):
 
 
 def test_mma_loop_choice(device, monkeypatch):
-    """mma=None takes the loop of kvlab.decode_mma exactly where it applies and no split-loop argument is
+    """mma=None takes the loop of kvlab.attention.gluon exactly where it applies and no split-loop argument is
     given; mma=True says why it cannot run; mma=False never takes it."""
     q, cache, block_table, seq_lens, kc, vc = mse_setup(([40, 7], 8, 2, 64, 4, 4, 16, "haar"), device)
     calls = []
-    original = kvlab.decode._decode_mma
-    monkeypatch.setattr(kvlab.decode, "_decode_mma", lambda *a: calls.append(1) or original(*a))
+    original = kvlab.attention.triton._decode_mma
+    monkeypatch.setattr(kvlab.attention.triton, "_decode_mma", lambda *a: calls.append(1) or original(*a))
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
     assert len(calls) == (1 if CUDA else 0)
@@ -311,12 +312,12 @@ def test_mma_loop_choice(device, monkeypatch):
 
 
 def test_mma_lookups_give_operand_pairs():
-    """The lookups of kvlab.decode_mma (run by the PTX emulator): two key words give, per coordinate pair r,
+    """The lookups of kvlab.attention.gluon (run by the PTX emulator): two key words give, per coordinate pair r,
     (key a, r) then (key b, r); four value words give, per coordinate, the pair of keys (k0, k1) then (k2, k3)."""
     import numpy as np
     import ptx
 
-    from kvlab import decode_mma
+    from kvlab.attention import gluon as decode_mma
     from kvlab._kernels import mma_tile
     from kvlab._kernels.tables import prmt_tables as _prmt_tables
 
@@ -361,7 +362,7 @@ def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
     """decode_mma.launch: the first launch of a kind goes through Triton's JIT (constants and options by
     name), later ones straight to the compiled kernel (runtime arguments, then the constants, in order);
     an integer that needs 64 bits, another constant or another dtype is another kind."""
-    from kvlab import decode_mma
+    from kvlab.attention import gluon as decode_mma
 
     calls = []
 
@@ -390,7 +391,7 @@ def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_mma_orders_are_permutations(dim, bits):
-    from kvlab import decode_mma
+    from kvlab.attention import gluon as decode_mma
 
     for order in (decode_mma.query_order(dim, bits), decode_mma.output_order(dim)):
         assert torch.equal(torch.sort(order).values, torch.arange(dim))
@@ -407,7 +408,7 @@ def test_rotate_attention_output_is_one_product(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_rotate_rows_matches_torch(rows, dim, dtype, device):
     """The decode path's query and output rotation, ``(x * s) @ w`` in fp32, against torch in fp64."""
-    from kvlab.decode import _rotate_rows
+    from kvlab.attention.triton import _rotate_rows
 
     g = torch.Generator().manual_seed(rows + dim)
     x = torch.randn(rows, dim, generator=g).to(dtype)
@@ -426,7 +427,7 @@ def test_rotate_rows_matches_torch(rows, dim, dtype, device):
 def test_merge_matches_log_sum_exp(num_splits, dim, device):
     """The merge of split partial outputs, against the log-sum-exp merge in fp64; splits with no keys
     (running maximum -1e30, sum 0) weigh nothing, and the output lands in the coordinate order given."""
-    from kvlab.decode import _merge
+    from kvlab.attention.triton import _merge
 
     rows = (2, 3)
     g = torch.Generator().manual_seed(num_splits + dim)
@@ -617,7 +618,7 @@ def test_bad_centered_inputs(device):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=-1)
     with pytest.raises(TypeError, match="position_offset must be an int"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=1.5)
-    from kvlab.centered_reference import CenteredMSECodec
+    from kvlab.centered import CenteredMSECodec
 
     three = CenteredMSECodec(kc.dim, kc.bits, torch.zeros(3, kc.dim), torch.ones(3, kc.dim), rope=kc.rope)
     with pytest.raises(ValueError, match=r"key_codec.num_heads \(3\) must equal the cache's num_kv_heads \(2\)"):
@@ -626,11 +627,11 @@ def test_bad_centered_inputs(device):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, kc)
 
 
-@pytest.mark.parametrize("entry", sorted(kvlab.decode.LAUNCH_DEFAULTS), ids=lambda e: f"{e[0]}{e[1]}")
+@pytest.mark.parametrize("entry", sorted(kvlab.attention.triton.LAUNCH_DEFAULTS), ids=lambda e: f"{e[0]}{e[1]}")
 def test_launch_defaults(entry, device):
     """A call of the split loop that sets no launch argument runs its cache's LAUNCH_DEFAULTS entry (the same
     output, bit for bit, as passing that entry), and it matches the reference. (``mma=False``: with no
-    argument at all, MSE caches on a GPU take the loop of kvlab.decode_mma instead.)"""
+    argument at all, MSE caches on a GPU take the loop of kvlab.attention.gluon instead.)"""
     kind, bits = entry
     lens, offset = [150, 7], 0
     if kind == "affine":
@@ -639,8 +640,8 @@ def test_launch_defaults(entry, device):
         q, cache, block_table, seq_lens, kc, vc, offset = centered_setup((lens, 8, 2, 128, bits, bits, 16, "haar", True, 5), device)
     else:
         q, cache, block_table, seq_lens, kc, vc = mse_setup((lens, 8, 2, 128, bits, bits, 16, "hadamard"), device)
-    launch = kvlab.decode.launch_defaults(kind, bits)
-    assert launch == kvlab.decode.LAUNCH_DEFAULTS[entry]
+    launch = kvlab.attention.triton.launch_defaults(kind, bits)
+    assert launch == kvlab.attention.triton.LAUNCH_DEFAULTS[entry]
     if device != "cuda":
         launch["fast"] = False  # inline PTX: the interpreter's default
     out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=2, position_offset=offset, mma=False)
@@ -649,9 +650,9 @@ def test_launch_defaults(entry, device):
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
     assert rel_err(out, expected) <= TOL
     if kind == "centered":  # centred 2- and 3-bit keys have no entry of their own: the MSE one
-        assert kvlab.decode.launch_defaults("centered", 2) == kvlab.decode.LAUNCH_DEFAULTS["mse", 2]
+        assert kvlab.attention.triton.launch_defaults("centered", 2) == kvlab.attention.triton.LAUNCH_DEFAULTS["mse", 2]
     with pytest.raises(ValueError, match=f"no launch defaults for a '{kind}' cache of 5 bits"):
-        kvlab.decode.launch_defaults(kind, 5)
+        kvlab.attention.triton.launch_defaults(kind, 5)
 
 
 def test_bad_loop_options(device):

@@ -1,4 +1,4 @@
-"""The centred MSE key codec: reference (kvlab.centered_reference), Triton path (kvlab.centered), calibration,
+"""The centred MSE key codec: reference (kvlab.centered.reference), Triton path (kvlab.centered.api), calibration,
 and the KVCache option.
 
 ``store_centered_mse`` must write exactly the reference's cache bytes (the whole cache is compared, so
@@ -15,7 +15,7 @@ import kvlab
 from kvlab import KVCache, KVFormat
 from kvlab.calibration import ChannelStats, RoPE, calibrate_keys, key_moments
 from kvlab.centered import load_centered_mse, store_centered_mse
-from kvlab.centered_reference import CenteredMSECodec
+from kvlab.centered import CenteredMSECodec
 
 SENTINEL = 0xAB
 STORE_ROWS = None if torch.cuda.is_available() else 512
@@ -78,7 +78,7 @@ def make_batch(case, device, seed=0):
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(seed))[:tokens]
     slots[::5] = -1  # padding tokens: not written
     ref = cache.clone()
-    kvlab.write_slots(ref, slots, key_codec.encode(key, positions), value_codec.encode(value), layout)
+    kvlab.reference.write_slots(ref, slots, key_codec.encode(key, positions), value_codec.encode(value), layout)
     return key.to(device), value.to(device), slots.to(device), positions, cache.to(device), ref, key_codec, value_codec
 
 
@@ -164,7 +164,7 @@ def test_load_matches_reference(case, space, device):
     layout = kvlab.MSESlot(case[2], case[3], case[4])
     out = load_centered_mse(ref.to(device), slots, key_codec, space=space, out_dtype=torch.float32, block_rows=LOAD_ROWS,
                             positions=positions)
-    codes, _ = kvlab.read_slots(ref, slots.cpu(), layout)
+    codes, _ = kvlab.reference.read_slots(ref, slots.cpu(), layout)
     expect = key_codec.decode(codes, space, positions)
     keep = slots.cpu() >= 0
     assert out.shape == expect.shape and out.dtype == torch.float32
@@ -309,7 +309,7 @@ def test_cache_stores_centered_codes():
     k_out, v_out = cache.update(k, v, 1)
     layer = cache.layers[1]
     codec = CenteredMSECodec(D, 3, stats.mean[1], stats.scale[1])
-    codes, v_codes = kvlab.read_slots(layer.mse.cache, layer.mse._slots(0, 37), kvlab.MSESlot(D, 3, 2))
+    codes, v_codes = kvlab.reference.read_slots(layer.mse.cache, layer.mse._slots(0, 37), kvlab.MSESlot(D, 3, 2))
     k_rows = k.transpose(1, 2).reshape(-1, H, D)
     assert torch.equal(codes, codec.encode(k_rows))
     assert torch.equal(k_out, codec.decode(codes).reshape(2, 37, H, D).transpose(1, 2))
@@ -453,7 +453,7 @@ def test_sink_does_not_change_fp16_layers_and_is_checked():
 
 def test_simulated_cache_returns_what_kvcache_returns():
     """Simulated plain MSE and centred parts: the same decoded keys and values as kvlab.KVCache."""
-    from kvlab.simulated import SimulatedCache, centered_part, mse_part
+    from kvlab.study.simulated import SimulatedCache, centered_part, mse_part
 
     stats = _stats()
     sim = SimulatedCache([(centered_part(stats, i, 3), mse_part(D, 2)) for i in range(2)], sink=1)
@@ -468,7 +468,7 @@ def test_simulated_cache_returns_what_kvcache_returns():
 
 
 def test_simulated_residual_and_split_part():
-    from kvlab.simulated import SimulatedCache, fp16_part, split_part
+    from kvlab.study.simulated import SimulatedCache, fp16_part, split_part
 
     stats = _stats()
     part = split_part(stats, 0, 2, 3, 16)
@@ -484,7 +484,7 @@ def test_simulated_residual_and_split_part():
 
 
 def test_pre_rope_undoes_and_reapplies_the_rotation():
-    from kvlab.simulated import Part, pre_rope
+    from kvlab.study.simulated import Part, pre_rope
 
     inv = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
 
@@ -505,7 +505,7 @@ def test_pre_rope_undoes_and_reapplies_the_rotation():
 
 
 def test_simulated_bad_input():
-    from kvlab.simulated import SimulatedCache, split_part
+    from kvlab.study.simulated import SimulatedCache, split_part
 
     with pytest.raises(TypeError, match="parts"):
         SimulatedCache([("a", "b")])
@@ -535,7 +535,7 @@ def test_cache_with_a_mean_that_turns_with_the_position(device):
     codec = CenteredMSECodec(D, 3, stats.mean[0], stats.scale[0], rope=stats.rope)
     rows = k[:, :, 1:].transpose(1, 2).reshape(-1, H, D)
     positions = torch.arange(1, 32).repeat(2)
-    codes, _ = kvlab.read_slots(ref.mse.cache.cpu(), ref.mse._slots(0, 31).cpu(), kvlab.MSESlot(D, 3, 2))
+    codes, _ = kvlab.reference.read_slots(ref.mse.cache.cpu(), ref.mse._slots(0, 31).cpu(), kvlab.MSESlot(D, 3, 2))
     assert torch.equal(codes, codec.encode(rows, positions))
     decoded = codec.decode(codes, "model", positions).reshape(2, 31, H, D).transpose(1, 2)
     first = outs["reference"][0].cpu()

@@ -1,4 +1,4 @@
-"""Triton MSE kernels (kvlab.mse) against the pure-torch reference (kvlab.reference).
+"""Triton MSE kernels (kvlab.mse.triton) against the pure-torch reference (kvlab.reference).
 
 ``store_mse`` must produce the reference's cache bytes exactly (the whole cache is compared, so
 untouched and skipped slots are checked too), for Haar codecs (torch GEMM, then the kernel) and for
@@ -85,7 +85,7 @@ def make_batch(case, device, seed=0, norm_correction=True):
     cache = torch.full((num_blocks, block_size, heads, layout.slot_bytes), SENTINEL, dtype=torch.uint8)
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
     ref = cache.clone()
-    kvlab.write_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
+    kvlab.reference.write_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
     return key, value, slots, cache, ref, kc, vc, layout
 
 
@@ -171,7 +171,7 @@ def test_store_exact_at_rounding_edges(bits, device):
     cache = torch.full((key.shape[0], 1, heads, layout.slot_bytes), SENTINEL, dtype=torch.uint8)
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
     ref = cache.clone()
-    kvlab.write_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
+    kvlab.reference.write_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
     store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
     assert torch.equal(cache, ref)
 
@@ -180,7 +180,7 @@ def test_store_exact_at_rounding_edges(bits, device):
 @pytest.mark.parametrize("space", ["rotated", "model"])
 def test_load_matches_reference_decode(case, space, device):
     key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
-    k_codes, v_codes = kvlab.read_slots(ref, slots, layout)
+    k_codes, v_codes = kvlab.reference.read_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
         out = load_mse(ref, slots, codec, part=part, space=space, block_rows=LOAD_ROWS)
@@ -193,7 +193,7 @@ def test_load_matches_reference_decode(case, space, device):
 
 def _fast_possible(cache, codec, part, layout) -> bool:
     """Whether the model-space load can take the prmt lookup (``fast=True``) for this cache and part."""
-    return kvlab.mse._model_lookup_tables(cache, codec, 0 if part == "key" else layout.value_offset) is not None
+    return kvlab.mse.triton._model_lookup_tables(cache, codec, 0 if part == "key" else layout.value_offset) is not None
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -206,7 +206,7 @@ def test_model_space_load_is_within_output_rounding(case, out_dtype, fast, devic
     codebook rules that out, ``fast=True`` is refused)."""
     key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
     keep = (slots >= 0).view(-1, 1, 1)
-    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.read_slots(ref, slots, layout)):
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.reference.read_slots(ref, slots, layout)):
         if fast and not _fast_possible(ref, codec, part, layout):
             with pytest.raises(ValueError, match="fast=True needs"):
                 load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, fast=True)
@@ -227,9 +227,9 @@ def test_model_space_load_loops_over_tiles(bits, fast, device, monkeypatch):
     2 bytes past a word boundary: every row comes out as the reference decodes it. (Interpreted: the
     programs of one SM, so fewer tiles make the same loop.)"""
     if device == "cpu":
-        monkeypatch.setattr(kvlab.mse, "_sm_count", lambda device: 1)
+        monkeypatch.setattr(kvlab.mse.triton, "_sm_count", lambda device: 1)
     dim, heads, block_size, block_rows = 64, 3, 16, 16
-    programs = kvlab.mse.MODEL_PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
+    programs = kvlab.mse.triton.MODEL_PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
     tokens = 2 * programs * block_rows // heads + 51  # three tiles or more a program, the last tile partial
     kc, vc = codecs(dim, bits, bits, "hadamard")
     layout = kvlab.MSESlot(dim, bits, bits)
@@ -240,9 +240,9 @@ def test_model_space_load_loops_over_tiles(bits, fast, device, monkeypatch):
     slots[7] = -1
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
     store_mse(key, value, slots, cache, kc, vc)
-    assert kvlab.mse._word_phase(cache, layout.value_offset) == 2
+    assert kvlab.mse.triton._word_phase(cache, layout.value_offset) == 2
     keep = (slots >= 0).view(-1, 1, 1)
-    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.read_slots(cache, slots, layout)):
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.reference.read_slots(cache, slots, layout)):
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
         out = load_mse(cache, slots, codec, part=part, space="model", block_rows=block_rows, fast=fast)
         rounding = rel_err(exact.half(), exact)
@@ -261,7 +261,7 @@ def written_cache(dim, bits, heads, tokens, seed, padding, device, block_size=16
     slots = torch.randperm(cache.shape[0] * block_size, generator=g)[:tokens]
     slots[padding] = -1
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
-    kvlab.write_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
+    kvlab.reference.write_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
     return kc, vc, layout, slots, cache
 
 
@@ -277,7 +277,7 @@ def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
     for part, codec in (("key", kc), ("value", vc)):
         outs = []
         for bulk in (False, True):
-            monkeypatch.setattr(kvlab.mse, "MODEL_OUT_DESC", bulk)
+            monkeypatch.setattr(kvlab.mse.triton, "MODEL_OUT_DESC", bulk)
             outs.append(load_mse(cache, slots, codec, part=part, space="model", block_rows=block_rows))
         assert not outs[1].isnan().any()
         assert torch.equal(outs[0], outs[1])
@@ -286,13 +286,13 @@ def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dim,bits", [(64, 2), (64, 4), (128, 2), (128, 3), (128, 4)])
 def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
-    """On Hopper the model-space load runs the Gluon kernel of ``kvlab.mse_mma`` (centroid tiles made in the
+    """On Hopper the model-space load runs the Gluon kernel of ``kvlab.mse.gluon_load`` (centroid tiles made in the
     registers of the MMA's operand, stores from the accumulator): every row within a small multiple of the
     output's rounding of the reference, and close to the Triton kernel's, over more tiles than programs,
     the last tile partial, keys (4-byte aligned) and values (2 bytes past a word boundary), a padding slot."""
     if device != "cuda" or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon model-space load needs a Hopper GPU (warpgroup MMA)")
-    from kvlab import mse_mma
+    from kvlab.mse import gluon_load as mse_mma
 
     heads = 3
     programs = mse_mma.PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
@@ -301,7 +301,7 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
     keep = (slots >= 0).view(-1, 1, 1)
     calls = []
     monkeypatch.setattr(mse_mma, "launch", lambda *a, _launch=mse_mma.launch: calls.append(1) or _launch(*a))
-    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.read_slots(cache, slots, layout)):
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.reference.read_slots(cache, slots, layout)):
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
         out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype)
         assert len(calls) == 1 + (part == "value"), "the Gluon kernel did not run"
@@ -309,9 +309,9 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
         rounding = rel_err(exact.to(out_dtype), exact)
         assert rel_err(out, exact) <= 3 * rounding + 1e-6, (rel_err(out, exact), rounding)
         assert torch.equal(out[5], torch.zeros_like(out[5]))
-        monkeypatch.setattr(kvlab.mse, "MODEL_MMA", False)
+        monkeypatch.setattr(kvlab.mse.triton, "MODEL_MMA", False)
         triton_out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype)
-        monkeypatch.setattr(kvlab.mse, "MODEL_MMA", True)
+        monkeypatch.setattr(kvlab.mse.triton, "MODEL_MMA", True)
         assert rel_err(out, triton_out) <= 2 * rounding
 
 
@@ -321,8 +321,8 @@ def test_model_space_mma_operands(dim, bits):
     ``query_order`` and B = ``operand_b``, accumulator column ``n`` is output column ``column_order[n]``,
     and the 16 column pairs a thread holds of a row (columns ``8 j + 2 t + e``) are four runs of 8
     consecutive output columns (one 16-byte store each)."""
-    from kvlab import mse_mma
-    from kvlab.decode_mma import query_order
+    from kvlab.mse import gluon_load as mse_mma
+    from kvlab.attention.gluon import query_order
 
     codec = codecs(dim, bits, bits, "haar")[0]
     order = mse_mma.column_order(dim)
@@ -347,12 +347,12 @@ def test_model_space_mma_operands(dim, bits):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shift", [0, 2])
 def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkeypatch):
-    """On a GPU the Hadamard store at dim 128 runs the Gluon kernel of ``kvlab.mse_store``: the reference's bytes
+    """On a GPU the Hadamard store at dim 128 runs the Gluon kernel of ``kvlab.mse.gluon_store``: the reference's bytes
     (and the Triton kernel's) for every key/value width, keys and values at both word phases (a cache 2 bytes past
     an aligned address swaps them), rows past the last tile, padding slots, each tiling of 4 or 8 threads a row."""
     if device != "cuda":
         pytest.skip("the Gluon store runs on CUDA GPUs (Triton's interpreter cannot run Gluon)")
-    from kvlab import mse_store
+    from kvlab.mse import gluon_store as mse_store
 
     monkeypatch.setattr(mse_store, "LANES", lanes)
     monkeypatch.setattr(mse_store, "ROWS_PER_THREAD", rows_per_thread)
@@ -368,16 +368,16 @@ def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkey
         calls.clear()
         assert torch.equal(cache, ref)
         assert bool((flat[:shift] == SENTINEL).all()) and bool((flat[shift + ref.numel() :] == SENTINEL).all())
-        monkeypatch.setattr(kvlab.mse, "STORE_GLUON", False)
+        monkeypatch.setattr(kvlab.mse.triton, "STORE_GLUON", False)
         triton_cache = torch.full_like(cache, SENTINEL)
         store_mse(key, value, slots, triton_cache, kc, vc)
-        monkeypatch.setattr(kvlab.mse, "STORE_GLUON", True)
+        monkeypatch.setattr(kvlab.mse.triton, "STORE_GLUON", True)
         assert not calls and torch.equal(triton_cache, cache)
 
 
 def test_gluon_store_reach():
     """Which stores the Gluon kernel takes: dim 128, codes word-aligned or 2 bytes past a boundary."""
-    from kvlab import mse_store
+    from kvlab.mse import gluon_store as mse_store
 
     assert mse_store.supports(128, 0) and mse_store.supports(128, 2)
     assert not mse_store.supports(64, 0) and not mse_store.supports(128, 1) and not mse_store.supports(128, -1)
@@ -389,8 +389,8 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from kvlab import mse_store
-from kvlab.mse import _square_tuple
+from kvlab.mse import gluon_store as mse_store
+from kvlab.mse.triton import _square_tuple
 
 signature = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i32",
                  cache_ptr="*u8", norm_ptr="*fp32", scale="fp32", stride_x="i32", num_rows="i32", num_slots="i32",
@@ -424,7 +424,7 @@ def test_gluon_store_compiles_for_hopper():
     import sys
     from pathlib import Path
 
-    from kvlab import mse_store
+    from kvlab.mse import gluon_store as mse_store
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
@@ -443,7 +443,7 @@ def test_gluon_store_compiles_for_hopper():
 def test_load_exact_without_norm_correction(case, device):
     """Without renormalisation decoding is centroid * fp16 norm: no sum, so the result is exact."""
     key, value, slots, _, ref, kc, vc, layout = make_batch(case, device, norm_correction=False)
-    k_codes, v_codes = kvlab.read_slots(ref, slots, layout)
+    k_codes, v_codes = kvlab.reference.read_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
         expected = torch.where(keep, codec.decode(codes, "rotated"), 0.0)
@@ -457,7 +457,7 @@ def test_roundtrip_store_then_load(device):
     case = CASES[1]
     key, value, slots, cache, ref, kc, vc, layout = make_batch(case, device, seed=3)
     store_mse(key, value, slots, cache, kc, vc)
-    k_codes, v_codes = kvlab.read_slots(ref, slots, layout)
+    k_codes, v_codes = kvlab.reference.read_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
     out = unpack_values_model_space(cache, slots, vc, out_dtype=torch.float32)
     assert rel_err(out, torch.where(keep, vc.decode(v_codes), 0.0)) <= 1e-5
@@ -492,11 +492,11 @@ def test_store_ties_round_half_to_even(device):
     ref = cache.clone()
     codes = kc.encode(key)
     # the centroid (ascending index) of each stored sign-magnitude code
-    idx = code_order(3)[kvlab.unpack_indices(codes[..., : kc.index_bytes], 3, dim).view(len(centers), dim).cpu()]
+    idx = code_order(3)[kvlab.reference.unpack_indices(codes[..., : kc.index_bytes], 3, dim).view(len(centers), dim).cpu()]
     assert idx[2, 1:8].tolist() == [2, 2, 2, 3, 3, 3, 3]  # -4.5s -> -4s, -4s, -3.5s -> -4s: past -3s; -3s on it: 3
     assert idx[4, 1:8].tolist() == [4, 4, 4, 4, 5, 5, 5]  # 1.5s -> 2s, 2s, 2.5s -> 2s, 3s (not above 3s), 3.5s -> 4s, ...
     assert idx[3, 4].item() == 3 and idx[3, 5].item() == 3 and idx[3, 8:10].tolist() == [3, 3]  # 0.5s -> 0, zeros: u > 0 fails
-    kvlab.write_slots(ref, slots, codes, vc.encode(key), layout)
+    kvlab.reference.write_slots(ref, slots, codes, vc.encode(key), layout)
     store_mse(key, key, slots, cache, kc, vc, block_rows=STORE_ROWS)
     assert torch.equal(cache, ref)
 
@@ -515,7 +515,7 @@ def test_store_register_cap_where_measured():
     """Compiled, the 3- and 4-bit stores are capped at 168 registers a thread at their default launch
     (4 warps, a row of 65-128 columns in one thread); the 2-bit store, other warps, longer rows and
     pieces are not (results/codec_ab_store_maxnreg.json)."""
-    from kvlab.mse import _store_compiled_options as options
+    from kvlab.mse.triton import _store_compiled_options as options
 
     assert options(3, 4, 128) == options(4, 4, 128) == options(4, 4, 96) == {"maxnreg": 168}
     assert options(2, 4, 128) == options(4, 1, 128) == options(4, 8, 128) == {}
@@ -601,7 +601,7 @@ def test_addresses_beyond_int32(device):
     exact = vc.decode(vc.encode(value), "model")[keep]
     out = load_mse(cache, slots, vc, part="value", space="model")
     assert rel_err(out[keep], exact) <= 3 * rel_err(exact.half(), exact) + 1e-6
-    # and the keys (on Hopper: the Gluon kernel of kvlab.mse_mma)
+    # and the keys (on Hopper: the Gluon kernel of kvlab.mse.gluon_load)
     exact = kc.decode(kc.encode(key), "model")[keep]
     out = load_mse(cache, slots, kc, part="key", space="model")
     assert rel_err(out[keep], exact) <= 3 * rel_err(exact.half(), exact) + 1e-6
