@@ -137,12 +137,12 @@ def _record(out: str, only: set[str]) -> None:
             layout = kvlab.MSESlot(DIM, bits, bits)
             cache = torch.zeros(rows // HEADS // 16, 16, HEADS, layout.slot_bytes, dtype=torch.uint8)
             case("mse_store hadamard, K+V", bits, lambda: kvlab.store_mse(kv, kv, slots, cache, kc, vc, check=False),
-                 2 * kv.numel() * 2 + rows * layout.slot_bytes, options=kvlab.mse.triton._store_compiled_options(bits, 4, DIM))
+                 2 * kv.numel() * 2 + rows * layout.slot_bytes, options=kvlab.mse.api._store_compiled_options(bits, 4, DIM))
             # the store as an H200 runs it, compiled for sm_90: the Gluon kernel of kvlab.mse.gluon_store (the interpreter
             # runs the Triton kernel above, so the launch is written here), the values' launch (codes 2 bytes past a
             # word boundary), one program of mse_store.rows() rows counted
-            head = kvlab.mse.triton._store_head(cache, layout.value_offset, layout.value_code_bytes)
-            constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, TUPLE=kvlab.mse.triton._square_tuple(bits),
+            head = kvlab.mse.api._store_head(cache, layout.value_offset, layout.value_code_bytes)
+            constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, TUPLE=kvlab.mse.api._square_tuple(bits),
                              OFFSET=layout.value_offset, INDEX_BYTES=layout.value_bytes, HEAD=head, NORM_CORRECTION=True,
                              CHECK=False, ROWS=mse_store.rows(), LA=None, LB=None, LW=None, LT=None, LTA=None)
             runtime = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i64",
@@ -159,8 +159,8 @@ def _record(out: str, only: set[str]) -> None:
             # model space, compiled for sm_90: the Gluon kernel of kvlab.mse.gluon_load (the interpreter cannot run it, so
             # the launch that load_mse makes on an H200 is written here); persistent, one tile of TILE_ROWS rows a
             # loop step, counted
-            offset, index_bytes = kvlab.mse.triton._part_layout(vc, "value", layout.slot_bytes)
-            align4 = kvlab.mse.triton._word_phase(cache, offset) == 0
+            offset, index_bytes = kvlab.mse.api._part_layout(vc, "value", layout.slot_bytes)
+            align4 = kvlab.mse.api._word_phase(cache, offset) == 0
             constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, OFFSET=offset, INDEX_BYTES=index_bytes,
                              ALIGN4=align4, WORDS=None, ACC=None, A=None, OUT=None, SLOTS_AHEAD=mse_mma.SLOTS_AHEAD[align4])
             runtime = dict(cache_ptr="*u8", slot_ptr="*i64", b_ptr="*fp16", out_ptr="*fp16") | {

@@ -294,7 +294,7 @@ def read_slots(cache, slot_mapping, layout: MSESlot):
 
 
 def _affine_slot_sizes(dim: int, key_codec: AffineCodec, value_codec: AffineCodec) -> tuple[int, int]:
-    """Bytes of the key and of the value code in a slot of the paged affine cache (``kvlab.decode.AffineSlot``)."""
+    """Bytes of the key and of the value code in a slot of the paged affine cache (``kvlab.attention.AffineSlot``)."""
     return key_codec.nbytes(dim), value_codec.nbytes(dim)
 
 
@@ -319,7 +319,7 @@ def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec, posit
     """Model-space fp32 keys and values of each sequence: a list of ``(K, V)`` ``[seq_len, num_kv_heads, dim]``.
 
     ``MSECodec`` codecs read the cache of ``kvlab.layout``, as does a centred key codec
-    (``kvlab.centered_reference.CenteredMSECodec``, token ``t`` at position ``position_offset + t``);
+    (``kvlab.centered.reference.CenteredMSECodec``, token ``t`` at position ``position_offset + t``);
     ``AffineCodec`` codecs (token axis) the paged affine cache (``key code | value code`` per slot).
     """
     num_blocks, block_size, num_heads, slot_bytes = cache.shape

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .lookup import lookup2_ptx, lookup3_ptx, lookup4_ptx
 
-__all__ = ["groups3", "halves", "join_all", "load_words", "mse_tile_fast", "mse_words", "pairs_to_tile"]
+__all__ = ["row_codes", "groups3", "halves", "join_all", "load_words", "mse_tile_fast", "mse_words", "pairs_to_tile"]
 
 
 # Each block: $0..$3 fp16 pairs of eight consecutive tile positions; inputs: the packed word, then
@@ -109,4 +109,18 @@ def mse_tile_fast(b_w0, b_w1, b_w2, t0, t1, t2, t3, BN: tl.constexpr, D: tl.cons
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
             words = words + (o0, o1, o2, o3)
         return pairs_to_tile(words, BN, D, 4)
+
+
+@triton.jit
+def row_codes(slot_ptr, o_r, num_rows, num_slots, stride_slot, stride_block, stride_pos, stride_head,
+               NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, offset):
+    """Rows ``o_r`` ([BR] int64, row = token * NUM_HEADS + head) -> (rows whose slot is in the cache,
+    byte offset of each row's code: its slot's address plus ``offset``, the part's byte in a slot).
+    Rows past the end, padding slots (-1) and slots out of range are neither read (they decode to 0)
+    nor written."""
+    m_r = o_r < num_rows
+    o_t, o_h = o_r // NUM_HEADS, o_r % NUM_HEADS
+    b_slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_r, other=-1).to(tl.int64)  # [BR]
+    m_s = m_r & (b_slot >= 0) & (b_slot < num_slots)
+    return m_s, (b_slot // BLOCK_SIZE) * stride_block + (b_slot % BLOCK_SIZE) * stride_pos + o_h * stride_head + offset
 

@@ -31,7 +31,7 @@ How
     instruction (``_scale_and_inverse``): ``range / (2**bits - 1)`` is Brisebarre, Muller and Raina's
     division by a constant, ``RN(r zh + RN(r zl))`` with ``zh + zl`` the constant's reciprocal split in
     two fp32 numbers, and ``1 / scale`` one Newton step in fp64 from the fast fp32 reciprocal. Both
-    return the correctly rounded quotient: ``tests/test_affine_kernels.py`` checks the first for every
+    return the correctly rounded quotient: ``tests/ops/test_affine.py`` checks the first for every
     fp32 significand and the second for every fp16 scale. All address arithmetic is int64. With
     ``check=True`` each program also writes a flag (NaN/Inf input, fp16 overflow of a scale or zero)
     that the launcher reads once after the launch, with a flag of nonzero groups whose fp16 scale and
@@ -40,7 +40,7 @@ How
 
 Reference
     ``kvlab.reference.AffineCodec`` (this module does not import it); tests in
-    ``tests/test_affine_kernels.py``.
+    ``tests/ops/test_affine.py``.
 """
 
 from __future__ import annotations
@@ -731,7 +731,7 @@ def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMEN
 
 def pack_token_spec(x: torch.Tensor, codes: torch.Tensor, bits: int, group_size: int, *, check: bool = False,
                     flags: torch.Tensor | None = None, block_rows: int | None = None, num_warps: int | None = None):
-    """The launch of ``affine_pack_token_kernel`` (a ``kvlab._launch`` spec): rows of ``x`` ``[n_rows, dim]``
+    """The launch of ``affine_pack_token_kernel`` (a ``kvlab._kernels.launch`` spec): rows of ``x`` ``[n_rows, dim]``
     (columns contiguous) encoded into the rows of ``codes`` ``[n_rows, code_bytes]`` uint8 (bytes contiguous, rows
     any stride); ``flags``: int32, one per program, written when ``check`` (allocated when None)."""
     n_rows, dim = x.shape

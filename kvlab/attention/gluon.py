@@ -1,7 +1,7 @@
 """The decode loop over a 2-, 3- or 4-bit MSE cache on the tensor cores' register operands (Gluon, GPU only).
 
 What
-    The split loop of ``kvlab.decode`` for MSE keys and values of 2, 3 or 4 bits each (2-bit values and
+    The split loop of ``kvlab.attention`` for MSE keys and values of 2, 3 or 4 bits each (2-bit values and
     3-bit keys or values: dim 128, so that a thread's code is a whole number of words, or of 3-byte groups
     of 8 indices): one program, one warp,
     attends a query group over a range of keys and writes the unnormalised partial output, its running
@@ -45,7 +45,7 @@ How (per step of ``BN = 16`` keys)
       reads of the next step before its arithmetic.
 
 Needs a CUDA GPU of compute capability 8.0 or later (``mma.sync`` m16n8k16); Triton's interpreter
-cannot run Gluon, so on a CPU ``decode_attention`` uses the split loop. ``tests/test_decode.py``
+cannot run Gluon, so on a CPU ``decode_attention`` uses the split loop. ``tests/ops/test_attention.py``
 compares both loops with the reference on the GPU.
 """
 
@@ -379,7 +379,7 @@ def decode_mma_kernel(
 
 
 def spec(grid, args: tuple, constants: dict, options: dict):
-    """``launch``'s arguments as a ``kvlab._launch`` spec: ``(kernel, grid, arguments by name, options)``."""
+    """``launch``'s arguments as a ``kvlab._kernels.launch`` spec: ``(kernel, grid, arguments by name, options)``."""
     return decode_mma_kernel, tuple(grid), dict(zip(decode_mma_kernel.arg_names, args), **constants), dict(options)
 
 

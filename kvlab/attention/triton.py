@@ -35,7 +35,7 @@ What
     per (sequence, KV head, range) computes an unnormalised partial output with its running maximum and
     sum (base-2 online softmax), and a second kernel merges the ranges with a log-sum-exp reduction.
     Two loops compute the partial outputs: for MSE keys and values of 2, 3 or 4 bits on a GPU (dim 64 or
-    128; 2-bit values and 3-bit keys or values at 128; at most 16 query heads per KV head) by default the one of ``kvlab.decode_mma`` (Gluon: every tile is
+    128; 2-bit values and 3-bit keys or values at 128; at most 16 query heads per KV head) by default the one of ``kvlab.attention.gluon`` (Gluon: every tile is
     dequantized in the register layout of an ``mma.sync`` operand, none goes through shared memory),
     otherwise the split loop below (``_decode_split_kernel``); ``mma=`` chooses.
 
@@ -98,7 +98,7 @@ How, the split loop (one program: a sequence, a KV head, a range of keys; ``BLOC
 Reference
     ``kvlab.reference.decode_attention_reference`` / ``prefill_attention_reference``: fp32 attention
     over the cache dequantized by the reference codecs (this module does not import them);
-    ``tests/test_decode.py`` compares the two.
+    ``tests/ops/test_attention.py`` compares the two.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ from ..centered.api import load_centered_mse
 from .._kernels import tables as T  # per-codec device tables (rebuilt when the codec's tensors change), SMs
 from .._kernels.mse_tile import load_words as _load_words, mse_tile_fast as _mse_tile_fast, mse_words as _mse_words, pairs_to_tile as _pairs_to_tile
 from .._kernels.tables import tile_order
-from ..mse.triton import load_mse
+from ..mse.api import load_mse
 
 __all__ = [
     "AffineSlot",
@@ -760,7 +760,7 @@ def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
 
 
 def _rotate_spec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None = None):
-    """The launch of ``_rotate_rows_kernel`` (``kvlab._launch`` spec): ``out = (x * scale) @ w`` (``x``, ``out``
+    """The launch of ``_rotate_rows_kernel`` (``kvlab._kernels.launch`` spec): ``out = (x * scale) @ w`` (``x``, ``out``
     contiguous, rows of ``w.shape[0]``)."""
     dim = x.shape[-1]
     rows = x.numel() // dim
@@ -850,7 +850,7 @@ def launch_defaults(kind: str, bits: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
-    """The default split count of the loop of ``kvlab.decode_mma`` (``decode_mma.default_splits``)."""
+    """The default split count of the loop of ``kvlab.attention.gluon`` (``decode_mma.default_splits``)."""
     return decode_mma.default_splits(batch * num_kv_heads, capacity, T.sm_count(device))
 
 
@@ -876,7 +876,7 @@ def _partials(batch: int, num_q_heads: int, num_splits: int, dim: int, device):
 
 
 def _merge_spec(o_part, ml_part, order, out):
-    """The launch of ``_merge_splits_kernel`` (``kvlab._launch`` spec): ``out`` (natural coordinate order) from
+    """The launch of ``_merge_splits_kernel`` (``kvlab._kernels.launch`` spec): ``out`` (natural coordinate order) from
     the splits of ``o_part``."""
     batch, num_q_heads, num_splits, dim = o_part.shape
     # on a GPU, 32 tile positions a program (more programs in flight); the interpreter, whole rows (fewer programs)
@@ -898,7 +898,7 @@ def _capability(device) -> tuple[int, int]:
 
 
 def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) -> str | None:
-    """Why the loop of ``kvlab.decode_mma`` cannot run this call, or None."""
+    """Why the loop of ``kvlab.attention.gluon`` cannot run this call, or None."""
     if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "a CUDA GPU (Triton's interpreter cannot run Gluon kernels)"
     if _capability(q.device) < (8, 0):
@@ -920,7 +920,7 @@ def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) ->
 
 
 def _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma, given) -> bool:
-    """Whether ``decode_attention`` runs the loop of ``kvlab.decode_mma`` (``mma``: the caller's choice,
+    """Whether ``decode_attention`` runs the loop of ``kvlab.attention.gluon`` (``mma``: the caller's choice,
     ``given``: the names of the split loop's launch arguments set); ``mma=True`` that cannot run raises."""
     if mma is False:
         return False
@@ -933,7 +933,7 @@ def _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma
 
 
 def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity, check=True):
-    """``decode_attention`` through ``kvlab.decode_mma.decode_mma_kernel`` (inputs checked), then the merge;
+    """``decode_attention`` through ``kvlab.attention.gluon.decode_mma_kernel`` (inputs checked), then the merge;
     None when ``check`` finds that the pre-scaled query overflows fp16 (the split loop handles it)."""
     batch, num_q_heads, dim = q.shape
     num_kv_heads = cache.shape[2]
@@ -969,7 +969,7 @@ def _mma_tables(key_codec, value_codec, dim: int, q_scale: float, device):
 
 
 def _mma_split_len(batch: int, num_kv_heads: int, capacity: int, num_splits, device) -> tuple[int, int]:
-    """``(keys per split, splits)`` of the loop of ``kvlab.decode_mma`` (``num_splits`` None: the default)."""
+    """``(keys per split, splits)`` of the loop of ``kvlab.attention.gluon`` (``num_splits`` None: the default)."""
     if num_splits is None:
         num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
     split_len = C.cdiv(C.cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
@@ -1034,7 +1034,7 @@ def decode_attention(
     ``scale``: softmax scale (default ``dim ** -0.5``). Returns ``q.dtype``.
 
     ``num_splits`` (default: for the split loop about 16 programs per SM, splits of at least 256 keys; for
-    the loop of ``kvlab.decode_mma``, ``decode_mma.default_splits``), ``block_n`` (keys
+    the loop of ``kvlab.attention.gluon``, ``decode_mma.default_splits``), ``block_n`` (keys
     per step, a power of two 16..256), ``num_warps``, ``num_stages`` and ``max_registers`` (a cap on
     registers per thread, 32..255, so that more warps fit on an SM; ignored by the interpreter) tune
     the launch; ``fast`` picks, for MSE caches, the ``prmt`` lookup over the generic unpack, and for
@@ -1054,14 +1054,14 @@ def decode_attention(
     ``[0, num_blocks)`` and lengths into ``[0, max_blocks * block_size]`` so that no read leaves the
     cache (such inputs give unspecified numbers), and needs ``q * scale`` within fp16 after the rotation.
 
-    ``mma`` picks the loop: ``True`` the loop of ``kvlab.decode_mma`` (MSE keys and values of 2, 3 or 4
+    ``mma`` picks the loop: ``True`` the loop of ``kvlab.attention.gluon`` (MSE keys and values of 2, 3 or 4
     bits, dim 64 or 128 (2-bit values, 3-bit keys or values: 128), at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the
     tiles are dequantized in the tensor cores' register operands), ``False`` the split loop above
     (``_decode_split_kernel``). ``None`` (the default) takes the first wherever it applies and no
     launch argument of the split loop (``block_n``, ``num_warps``, ``num_stages``, ``max_registers``,
     ``fast``, ``prefetch``, ``keys_as_rows``) is given; ``num_splits`` applies to both.
 
-    Centred keys (``key_codec`` a ``kvlab.centered_reference.CenteredMSECodec`` with ``num_heads =
+    Centred keys (``key_codec`` a ``kvlab.centered.reference.CenteredMSECodec`` with ``num_heads =
     num_kv_heads``, MSE values): the cache is the same MSE cache (``store_centered_mse`` writes it). The
     query is scaled by the key scale of its KV head before its rotation; with ``rope`` every score also
     gets ``q . RoPE_n(mean)`` (``rope_mean_scores``, one GEMM per call, read by the kernel per key),
@@ -1216,7 +1216,7 @@ def _split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t: di
                 split_len: int, num_blocks: int, capacity: int, q_unscale: float, *, kind: str, block_n: int,
                 fast: bool, prefetch: bool, keys_as_rows: bool, interpreted: bool, num_warps: int, num_stages,
                 max_registers):
-    """The launch of ``_decode_split_kernel`` (``kvlab._launch`` spec)."""
+    """The launch of ``_decode_split_kernel`` (``kvlab._kernels.launch`` spec)."""
     batch, num_q_heads, num_splits, dim = o_part.shape
     num_kv_heads = cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -1248,7 +1248,7 @@ class DecodeStep:
     repeated on one cache, block table and lengths tensor (read in place at every call: their owner advances
     them and keeps them valid) for queries of one shape and dtype — one layer of a ``PagedKVCache`` in a decode
     step. The checks, device tables, buffers and launch arguments are prepared once; a call replays the
-    launches (``kvlab._launch``): the query's rotation, the loop, the merge and the output's rotation. Returns
+    launches (``kvlab._kernels.launch``): the query's rotation, the loop, the merge and the output's rotation. Returns
     the same output as ``decode_attention``, in a buffer that the next call overwrites. MSE and affine caches
     (not centred keys); the loop is ``decode_attention``'s default for the shape."""
 
@@ -1362,7 +1362,7 @@ def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, 
 class AffineStoreStep:
     """``store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on
     inputs of one shape and dtype whose slots are all written (a decode step): each call encodes the keys and
-    values into one staging slot per row (two launches prepared once, ``kvlab._launch``), then copies the rows
+    values into one staging slot per row (two launches prepared once, ``kvlab._kernels.launch``), then copies the rows
     into their slots. The bytes are ``store_affine_slots``'s; other inputs go through it."""
 
     def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):

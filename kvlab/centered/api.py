@@ -32,8 +32,8 @@ Attention over the codes
     heads and layers: one more 64-term dot product per token.
 
 Reference
-    ``kvlab.centered_reference.CenteredMSECodec`` with ``kvlab.reference.write_slots`` / ``read_slots``;
-    this module does not import it (``tests/test_centered.py`` compares the two: equal cache bytes,
+    ``kvlab.centered.reference.CenteredMSECodec`` with ``kvlab.reference.write_slots`` / ``read_slots``;
+    this module does not import it (``tests/ops/test_centered.py`` compares the two: equal cache bytes,
     decoded keys to 1e-6 relative like ``load_mse``).
 """
 
@@ -44,7 +44,7 @@ import torch
 from .. import _checks as C
 from ..layout import MSESlot
 from ..params import CenteredParams
-from ..mse.triton import check_codec, load_mse, store_mse
+from ..mse.api import check_codec, load_mse, store_mse
 
 __all__ = ["load_centered_mse", "store_centered_mse"]
 

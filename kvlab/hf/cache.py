@@ -20,7 +20,7 @@ What
       keys and values in one slot of the paged cache of ``kvlab.layout`` (``MSESlot``), written
       through a ``slot_mapping`` over a block table per sequence.
     * ``KVFormat("centered", key_bits, value_bits, rotation=...)``: keys with
-      ``kvlab.centered_reference.CenteredMSECodec`` (shifted by a calibrated per-channel mean and divided by a
+      ``kvlab.centered.reference.CenteredMSECodec`` (shifted by a calibrated per-channel mean and divided by a
       per-channel scale, then the MSE codec), values with ``kvlab.MSECodec``; the same paged slot as
       ``"mse"``. The cache needs the keys' ``kvlab.calibration.ChannelStats`` (``KVCache(...,
       key_stats=kvlab.calibration.calibrate_keys(model, ids))``, measured on text disjoint from what is evaluated).
@@ -69,7 +69,7 @@ When tokens are quantized
     changes the float rounding of deeper layers' keys and values, which can flip a rounding decision of
     a codec. With a residual window or channel-axis keys, a call of several tokens sees the unquantized
     part as it stands after its own write; with ``decode_view`` on, each of its queries sees what a
-    decoding step at its position would (``kvlab.decode_view``).
+    decoding step at its position would (``kvlab.hf.decode_view``).
 
 Backends
     ``backend="triton"`` encodes and decodes with kvlab's Triton kernels (``pack_affine``,
@@ -539,7 +539,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.requested_backend, self.block_size = backend, block_size
         self.backend: str | None = None  # resolved at the first update
         self.length = 0
-        self.decode_view = False  # keep exact K/V for attention as decoding sees it (kvlab.decode_view)
+        self.decode_view = False  # keep exact K/V for attention as decoding sees it (kvlab.hf.decode_view)
 
     def __repr__(self) -> str:
         return f"KVCacheLayer({self.fmt.label}, tokens={self.length})"
@@ -797,7 +797,7 @@ class KVCache(Cache):
       num_kv_heads, head_dim]``; required when a layer uses ``KVFormat("centered", ...)``.
 
     ``decode_view`` (attribute, off by default; set it before the first update): every call attends as
-    token-by-token decoding would (``kvlab.decode_view``), through the attention implementation named by
+    token-by-token decoding would (``kvlab.hf.decode_view``), through the attention implementation named by
     ``attn_implementation``. ``kvlab.perplexity`` turns it on.
     """
 
@@ -885,7 +885,7 @@ class KVCache(Cache):
 
     @property
     def decode_view(self) -> bool:
-        """Whether calls attend as token-by-token decoding would (``kvlab.decode_view``)."""
+        """Whether calls attend as token-by-token decoding would (``kvlab.hf.decode_view``)."""
         return self.layers[0].decode_view
 
     @decode_view.setter

@@ -8,7 +8,7 @@ What
     ``KVCache.update`` instead sees the cache as it stands after its own write: only the last tokens
     of the call are still unquantized, so few of its queries see their own recent tokens exactly.
 
-    With ``decode_view`` on, ``kvlab.KVCache`` and ``kvlab.simulated.SimulatedCache`` give every query
+    With ``decode_view`` on, ``kvlab.KVCache`` and ``kvlab.study.simulated.SimulatedCache`` give every query
     of a call what a decoding step at its position would have read:
 
     * each layer keeps the exact (fp16) keys and values of its tokens beside its codes, and knows for
@@ -87,7 +87,7 @@ def hand_over(layer_idx: int, view: DecodeView | None) -> None:
 def _take(layer_idx) -> DecodeView | None:
     if _HANDOFF.layer_idx is None:
         raise ValueError(f"attn_implementation={ATTENTION!r} needs a cache with decode_view on "
-                         "(kvlab.KVCache or kvlab.simulated.SimulatedCache, as kvlab.perplexity sets it)")
+                         "(kvlab.KVCache or kvlab.study.simulated.SimulatedCache, as kvlab.perplexity sets it)")
     if layer_idx is not None and layer_idx != _HANDOFF.layer_idx:
         raise ValueError(f"attention of layer {layer_idx} after the cache update of layer {_HANDOFF.layer_idx}")
     view = _HANDOFF.view

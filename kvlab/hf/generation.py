@@ -65,7 +65,7 @@ from .. import _checks as C
 from .cache import KVCache, KVFormat, model_shape
 from ..attention.triton import AffineSlot, AffineStoreStep, DecodeStep, decode_attention, prefill_attention, store_affine_slots
 from ..layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS, MSE_BITS, MSESlot
-from ..mse.triton import MSEStoreStep, store_mse
+from ..mse.api import MSEStoreStep, store_mse
 from ..reference import (
     AffineCodec, MSECodec, decode_attention_reference, prefill_attention_reference, write_affine_slots, write_slots,
 )

@@ -39,7 +39,7 @@ Perplexity
     Decode view (``decode_view=True``, the default). A cache that keeps tokens unquantized for a while
     (a ``residual`` window, the open group of channel-axis keys) shows a decoder a different mix at
     every step: the query at position ``i`` reads its own most recent tokens in fp16 and older ones
-    through the codec. ``KVCache`` and ``SimulatedCache`` have a ``decode_view`` mode (``kvlab.decode_view``)
+    through the codec. ``KVCache`` and ``SimulatedCache`` have a ``decode_view`` mode (``kvlab.hf.decode_view``)
     in which every query of a call attends exactly so, whatever ``chunk`` is; ``perplexity`` turns it
     on. Scored chunk by chunk it equals token-by-token decoding (``chunk=1``) up to float rounding
     (tested). Caches without such a window (sink tokens only, or none) give identical results either

@@ -6,6 +6,6 @@ through Triton's interpreter); ``gluon_store`` / ``gluon_load``: the Gluon kerne
 the model-space load on CUDA GPUs. Tests: ``tests/ops/test_mse.py``.
 """
 
-from .triton import load_mse, store_mse, unpack_values_model_space, unpack_values_rotated
+from .api import load_mse, store_mse, unpack_values_model_space, unpack_values_rotated
 
 __all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_rotated"]

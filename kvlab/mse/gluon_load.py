@@ -20,7 +20,7 @@ How (per tile of ``TILE_ROWS = 64`` rows, one warpgroup of 4 warps, 16 rows a wa
       16-byte vectors and the four threads of a row fill 64 contiguous bytes a store.
 
 Correctness
-    ``tests/test_mse_kernels.py`` compares this load with the reference and with the Triton kernel on a GPU
+    ``tests/ops/test_mse.py`` compares this load with the reference and with the Triton kernel on a GPU
     (Triton's interpreter cannot run Gluon; on a CPU ``load_mse`` uses the Triton kernel).
 """
 

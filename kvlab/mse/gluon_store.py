@@ -21,8 +21,8 @@ How (a row of 128 columns is 16 chunks of 8; ``LANES`` threads a row, ``32 / LAN
       additions in the same order as ``kvlab.rotation.fwht``, so the rotated row is bit-identical.
     * In ``LB``: the scale, the norm (fp64 squares summed in the thread, then across the row's threads: any order
       rounds to the same float32 but with a probability of order 2**-26 a row), the per-row thresholds
-      (``kvlab.mse._thresholds``; each thread computes its share, then gets the others), the binary search, the
-      sign, and ``|c|^2`` from the squares table of ``kvlab.mse._square_sums``.
+      (``kvlab.mse.triton_store._thresholds``; each thread computes its share, then gets the others), the binary search, the
+      sign, and ``|c|^2`` from the squares table of ``kvlab.mse.api._square_sums``.
     * The codes go back to ``LA`` (bytes, through shared memory), where each thread packs its chunks' codes into
       their group words and writes them (4-byte words where the code is word-aligned, else 2-byte halves), with the
       fp16 scale.
@@ -115,7 +115,7 @@ def _stack(xs, R: gl.constexpr, N: gl.constexpr, K: gl.constexpr):
 
 @gluon.jit
 def _thresholds(n, mid_ptr, tie_ptr, R: gl.constexpr, NUM: gl.constexpr, LT: gl.constexpr, LTA: gl.constexpr):
-    """``kvlab.mse._thresholds``: per-row float32 ``t_i`` with ``fl(y / n) > b_i <=> y > t_i``, as a tuple of
+    """``kvlab.mse.triton_store._thresholds``: per-row float32 ``t_i`` with ``fl(y / n) > b_i <=> y > t_i``, as a tuple of
     ``NUM`` ``[R]`` tensors. Threshold ``i`` of a row is computed by one of its threads (layout ``LT``), then
     every thread of the row gets all of them (``LTA``)."""
     o_i = gl.arange(0, NUM, layout=gl.SliceLayout(0, LT))
@@ -157,9 +157,9 @@ def _magnitude(a, ts, BITS_M: gl.constexpr):
 def store_kernel(
     x_ptr,  # [num_rows, D] fp16/bf16/fp32, rows stride_x apart, columns contiguous
     sign_ptr,  # int16/int32 [D]: the sign bit of each column's Hadamard sign (as x's width)
-    mid_ptr,  # fp64 [HALF]: kvlab.mse._midpoints
+    mid_ptr,  # fp64 [HALF]: kvlab.mse.api._midpoints
     tie_ptr,  # int32 [HALF]
-    sq_ptr,  # fp64: kvlab.mse._square_sums (sums of the squared centroids of TUPLE codes)
+    sq_ptr,  # fp64: kvlab.mse.api._square_sums (sums of the squared centroids of TUPLE codes)
     slot_ptr,  # int32/int64 [num_tokens]
     cache_ptr,  # uint8 [num_blocks, BLOCK_SIZE, NUM_HEADS, slot_bytes]
     norm_ptr,  # fp32 [num_rows]: CHECK: the stored scales

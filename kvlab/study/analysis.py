@@ -21,7 +21,7 @@ Channel statistics, per vector set ``x [..., tokens, dim]``
 Errors per head, with the model's own queries (``head_errors``)
     Query head ``j`` reads KV head ``j // (q_heads / kv_heads)`` (grouped-query attention). The query
     at position ``p`` attends to keys ``0 .. p`` (causal); only these pairs enter every metric, computed
-    in float64 with the definitions of ``kvlab.metrics``: relative squared error of keys and of values;
+    in float64 with the definitions of ``kvlab.study.metrics``: relative squared error of keys and of values;
     the inner-product fit ``<q, k_hat> - <q, k> = beta <q, k> + eps`` (bias ``beta``, variance
     ``sum eps^2 / sum <q, k>^2``); the attention-score error (total variation distance of the weights,
     mean over queries) and the attention-output error (``sum ||o_hat - o||^2 / sum ||o||^2``). Each

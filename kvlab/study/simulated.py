@@ -9,13 +9,13 @@ What
     calls return every stored token decoded, the first ``sink`` and the most recent ``residual`` tokens
     unquantized (fp16). With ``decode_view`` on (as ``kvlab.perplexity`` sets it) every query of a call
     attends as a decoding step at its position would: its own ``residual`` most recent tokens in fp16
-    (``kvlab.decode_view``).
+    (``kvlab.hf.decode_view``).
 
     A ``Part`` is ``(fn, bits_per_element)``; ``bits_per_element`` counts codes and per-token metadata
     (norms). The constructors below build the candidates:
 
     * ``mse_part``: ``kvlab.MSECodec`` (encode, decode), the plain rotated Lloyd-Max codec;
-    * ``centered_part``: ``kvlab.centered_reference.CenteredMSECodec`` with one layer's ``ChannelStats``;
+    * ``centered_part``: ``kvlab.centered.reference.CenteredMSECodec`` with one layer's ``ChannelStats``;
     * ``split_part``: the ``n`` channels of largest calibrated spread apart with ``outlier_bits``, the
       others with ``bits``, each group rotated and coded on its own with its own norm (TurboQuant's
       outlier split), optionally centred first;
@@ -293,7 +293,7 @@ class SimulatedCache(Cache):
 
     @property
     def decode_view(self) -> bool:
-        """Whether calls attend as token-by-token decoding would (``kvlab.decode_view``); set before the first update."""
+        """Whether calls attend as token-by-token decoding would (``kvlab.hf.decode_view``); set before the first update."""
         return self.layers[0].decode_view
 
     @decode_view.setter

@@ -1,4 +1,4 @@
-"""Triton MSE kernels (kvlab.mse.triton) against the pure-torch reference (kvlab.reference).
+"""MSE kernels (kvlab.mse: triton_store, triton_load, gluon_store, gluon_load) against the pure-torch reference (kvlab.reference).
 
 ``store_mse`` must produce the reference's cache bytes exactly (the whole cache is compared, so
 untouched and skipped slots are checked too), for Haar codecs (torch GEMM, then the kernel) and for
@@ -193,7 +193,7 @@ def test_load_matches_reference_decode(case, space, device):
 
 def _fast_possible(cache, codec, part, layout) -> bool:
     """Whether the model-space load can take the prmt lookup (``fast=True``) for this cache and part."""
-    return kvlab.mse.triton._model_lookup_tables(cache, codec, 0 if part == "key" else layout.value_offset) is not None
+    return kvlab.mse.api._model_lookup_tables(cache, codec, 0 if part == "key" else layout.value_offset) is not None
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -227,9 +227,9 @@ def test_model_space_load_loops_over_tiles(bits, fast, device, monkeypatch):
     2 bytes past a word boundary: every row comes out as the reference decodes it. (Interpreted: the
     programs of one SM, so fewer tiles make the same loop.)"""
     if device == "cpu":
-        monkeypatch.setattr(kvlab.mse.triton, "_sm_count", lambda device: 1)
+        monkeypatch.setattr(kvlab._kernels.tables, "sm_count", lambda device: 1)
     dim, heads, block_size, block_rows = 64, 3, 16, 16
-    programs = kvlab.mse.triton.MODEL_PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
+    programs = kvlab.mse.api.MODEL_PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
     tokens = 2 * programs * block_rows // heads + 51  # three tiles or more a program, the last tile partial
     kc, vc = codecs(dim, bits, bits, "hadamard")
     layout = kvlab.MSESlot(dim, bits, bits)
@@ -240,7 +240,7 @@ def test_model_space_load_loops_over_tiles(bits, fast, device, monkeypatch):
     slots[7] = -1
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
     store_mse(key, value, slots, cache, kc, vc)
-    assert kvlab.mse.triton._word_phase(cache, layout.value_offset) == 2
+    assert kvlab.mse.api._word_phase(cache, layout.value_offset) == 2
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.reference.read_slots(cache, slots, layout)):
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
@@ -268,7 +268,8 @@ def written_cache(dim, bits, heads, tokens, seed, padding, device, block_size=16
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
     """The model-space load writes its tiles by bulk stores through a tensor descriptor of the output
-    (``MODEL_OUT_DESC``): the same values as its 16-byte row stores, in every row, the last tile partial."""
+    (tiles of at most 256 rows): the same values as its 16-byte row stores (larger tiles), in every row, the last
+    tile partial."""
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("bulk tensor stores need sm_90 or later")
     dim, heads, block_rows = 128, 3, 16
@@ -276,9 +277,8 @@ def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
     kc, vc, layout, slots, cache = written_cache(dim, bits, heads, tokens, 10 + bits, 3, device)
     for part, codec in (("key", kc), ("value", vc)):
         outs = []
-        for bulk in (False, True):
-            monkeypatch.setattr(kvlab.mse.triton, "MODEL_OUT_DESC", bulk)
-            outs.append(load_mse(cache, slots, codec, part=part, space="model", block_rows=block_rows))
+        for rows in (512, block_rows):  # row stores, then bulk stores
+            outs.append(load_mse(cache, slots, codec, part=part, space="model", block_rows=rows))
         assert not outs[1].isnan().any()
         assert torch.equal(outs[0], outs[1])
 
@@ -309,9 +309,7 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
         rounding = rel_err(exact.to(out_dtype), exact)
         assert rel_err(out, exact) <= 3 * rounding + 1e-6, (rel_err(out, exact), rounding)
         assert torch.equal(out[5], torch.zeros_like(out[5]))
-        monkeypatch.setattr(kvlab.mse.triton, "MODEL_MMA", False)
-        triton_out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype)
-        monkeypatch.setattr(kvlab.mse.triton, "MODEL_MMA", True)
+        triton_out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype, num_warps=8)  # the Triton kernel
         assert rel_err(out, triton_out) <= 2 * rounding
 
 
@@ -368,10 +366,8 @@ def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkey
         calls.clear()
         assert torch.equal(cache, ref)
         assert bool((flat[:shift] == SENTINEL).all()) and bool((flat[shift + ref.numel() :] == SENTINEL).all())
-        monkeypatch.setattr(kvlab.mse.triton, "STORE_GLUON", False)
         triton_cache = torch.full_like(cache, SENTINEL)
-        store_mse(key, value, slots, triton_cache, kc, vc)
-        monkeypatch.setattr(kvlab.mse.triton, "STORE_GLUON", True)
+        store_mse(key, value, slots, triton_cache, kc, vc, num_warps=8)  # not the default tiling: the Triton kernel
         assert not calls and torch.equal(triton_cache, cache)
 
 
@@ -390,7 +386,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvlab.mse import gluon_store as mse_store
-from kvlab.mse.triton import _square_tuple
+from kvlab.mse.api import _square_tuple
 
 signature = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i32",
                  cache_ptr="*u8", norm_ptr="*fp32", scale="fp32", stride_x="i32", num_rows="i32", num_slots="i32",
@@ -515,7 +511,7 @@ def test_store_register_cap_where_measured():
     """Compiled, the 3- and 4-bit stores are capped at 168 registers a thread at their default launch
     (4 warps, a row of 65-128 columns in one thread); the 2-bit store, other warps, longer rows and
     pieces are not (results/codec_ab_store_maxnreg.json)."""
-    from kvlab.mse.triton import _store_compiled_options as options
+    from kvlab.mse.api import _store_compiled_options as options
 
     assert options(3, 4, 128) == options(4, 4, 128) == options(4, 4, 96) == {"maxnreg": 168}
     assert options(2, 4, 128) == options(4, 1, 128) == options(4, 8, 128) == {}
