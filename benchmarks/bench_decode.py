@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 import kvlab  # noqa: E402
 from benchmarks.common import bench_graph, run_tests, write_csv  # noqa: E402
 from kvlab import reference as ref  # noqa: E402
-from kvlab.attention import AffineSlot, decode_attention  # noqa: E402
+from kvlab.attention import DecodeLaunch, decode_attention  # noqa: E402
+from kvlab.layout import AffineSlot  # noqa: E402
 
 HQ, HKV, DIM, BLOCK = 32, 8, 128, 16
 BATCHES = (1, 8, 32)
@@ -198,17 +199,17 @@ def grid_launch(cfg, kind, kb, vb, q, batch, context):
     choice (no launch argument), described by the loop and launch it takes."""
     if cfg is not None:
         kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
-        base = (kvlab.attention.triton._mma_splits(batch, HKV, context, q.device) if cfg.get("mma")
-                else kvlab.attention.triton._default_splits(batch, HKV, context, kw["block_n"], q.device))
+        base = (kvlab.attention.api._mma_splits(batch, HKV, context, q.device) if cfg.get("mma")
+                else kvlab.attention.api._default_splits(batch, HKV, context, kw["block_n"], q.device))
         kw["num_splits"] = max(1, round(base * cfg.get("splits_factor", 1)))
         return kw, " ".join(f"{k}={v}" for k, v in kw.items())
     k_codec, v_codec, _ = codecs(kind, kb, vb)
     centered = k_codec if kind == "centered" else None
     k_codec = k_codec.mse if kind == "centered" else k_codec
-    if kvlab.attention.triton._takes_mma_loop(q, HKV, kind, centered, k_codec, v_codec, None, ()):
-        return {}, f"mma=True num_splits={kvlab.attention.triton._mma_splits(batch, HKV, context, q.device)}"
-    tuned = kvlab.attention.triton.launch_defaults(kind, max(kb, vb))
-    splits = kvlab.attention.triton._default_splits(batch, HKV, context, tuned["block_n"], q.device)
+    if kvlab.attention.api._takes_mma_loop(q, HKV, kind, centered, k_codec, v_codec, None, ()):
+        return {}, f"mma=True num_splits={kvlab.attention.api._mma_splits(batch, HKV, context, q.device)}"
+    tuned = kvlab.attention.api.launch_defaults(kind, max(kb, vb))
+    splits = kvlab.attention.api._default_splits(batch, HKV, context, tuned["block_n"], q.device)
     return {}, " ".join(f"{k}={v}" for k, v in tuned.items()) + f" num_splits={splits}"
 
 
@@ -237,24 +238,24 @@ def correctness_checks(codec_list=CODECS):
             elif kind == "centered":
                 kvlab.store_centered_mse(key, value, slots, cache, kc, vc, positions=t)
             else:
-                kvlab.attention.store_affine_slots(key, value, slots, cache, kc, vc)
+                kvlab.affine.store_affine_slots(key, value, slots, cache, kc, vc)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn(len(lens), HQ, DIM, device="cuda", generator=g, dtype=torch.float16)
         expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
         checks[f"{kind}_k{kb}v{vb}_rel_err"] = rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc), expected)
         if kind == "mse" and (kb, vb) in kvlab.attention.gluon.DEFAULT_BITS:  # the default is the loop of kvlab.attention.gluon; the split loop too
             checks[f"{kind}_k{kb}v{vb}_split_loop_rel_err"] = rel_err(
-                decode_attention(q, cache, block_table, seq_lens, kc, vc, mma=False), expected)
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=False)), expected)
         if kind == "mse":
             checks[f"{kind}_k{kb}v{vb}_generic_rel_err"] = rel_err(
-                decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=False), expected)
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(fast=False)), expected)
         if kind == "affine":
             for fast in (False, True):
                 checks[f"{kind}_k{kb}v{vb}_{'fp16_pairs' if fast else 'fp32'}_rel_err"] = rel_err(
-                    decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=fast), expected)
+                    decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(fast=fast)), expected)
         for rows in (False, True):  # the launch defaults pick one of the two products
             checks[f"{kind}_k{kb}v{vb}_keys_as_rows_{rows}_rel_err"] = rel_err(
-                decode_attention(q, cache, block_table, seq_lens, kc, vc, keys_as_rows=rows), expected)
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(keys_as_rows=rows)), expected)
     return checks
 
 
@@ -286,7 +287,7 @@ def split_sweep(out: Path, meta: dict) -> None:
                 q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
                 default = kvlab.attention.gluon.default_splits(b * HKV, L, sms)
                 cands = sorted({default} | {1 << i for i in range(1, 11) if (1 << i) <= L // 16})
-                ms = {n: bench_graph(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, num_splits=n))
+                ms = {n: bench_graph(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(num_splits=n)))
                       for n in cands}
                 if None in ms.values():  # a failed call (a CUDA error stays with the process): keep what was measured
                     res["error"] = f"k{kb}v{vb} batch {b} context {L}: a call failed (see the log)"
@@ -356,7 +357,7 @@ def main():
                 continue  # the loop of kvlab.attention.gluon: 2-, 3- and 4-bit MSE keys and values
             kw, _ = grid_launch(cfg, kind, kb, vb, q, b, L)
             try:
-                ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw))
+                ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(**kw)))
             except Exception as e:  # a configuration that does not compile or fit
                 print(f"  {kind} k{kb}v{vb} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
@@ -367,7 +368,7 @@ def main():
         if kind == "mse" and not best[(kind, kb, vb)].get("mma"):  # the generic unpack at the best configuration
             cfg = best[(kind, kb, vb)]
             kw, _ = grid_launch(cfg, kind, kb, vb, q, b, L)
-            ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, fast=False, **kw))
+            ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(fast=False, **kw)))
             sweep_rows.append(dict(codec=kind, key_bits=kb, value_bits=vb, config=str(cfg) + " fast=False",
                                    num_splits=kw["num_splits"], time_ms=ms))
             print(f"  generic unpack {kind} k{kb}v{vb}: {ms:.4f} ms", flush=True)
@@ -428,7 +429,7 @@ def main():
                 cache, block_table, seq_lens = random_cache(kind, layout, b, L)
                 q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
                 kw, config = grid_launch(best[(kind, kb, vb)], kind, kb, vb, q, b, L)
-                fn = lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw)  # noqa: E731
+                fn = lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(**kw))  # noqa: E731
                 ms, graph_ms = bench(fn), bench_graph(fn)
                 if (b, L) == HEADLINE:  # where the time of one call goes, kernel by kernel
                     try:

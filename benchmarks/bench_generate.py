@@ -99,7 +99,7 @@ def fill_paged(cache: PagedKVCache, context: int) -> None:
             if cache.kind == "mse":
                 kvlab.store_mse(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
             else:
-                kvlab.attention.store_affine_slots(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
+                kvlab.affine.store_affine_slots(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
     for layer in cache.layers:
         if layer is not first:
             layer.cache.copy_(first.cache)

@@ -171,7 +171,7 @@ def _record(out: str, only: set[str]) -> None:
                                  aligned=[2, 3], options=dict(num_warps=mse_mma.WARPS, maxnreg=mse_mma.MAXNREG), programs=1,
                                  bytes=mse_mma.TILE_ROWS * (layout.value_code_bytes + 2 * DIM)))
     if "decode" in only:
-        from kvlab.attention import decode_attention
+        from kvlab.attention import DecodeLaunch, decode_attention
 
         hq, block, context = 32, 16, 1024
         for bits in (4, 3, 2):
@@ -185,7 +185,7 @@ def _record(out: str, only: set[str]) -> None:
             plain = dict(block_n=64, prefetch=False, keys_as_rows=False)
             for name, extra in (("decode split step", plain), ("decode split step, keys as rows", dict(plain, keys_as_rows=True)),
                                 ("decode split step, keys as rows, 128 keys", dict(plain, keys_as_rows=True, block_n=128))):
-                case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
+                case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(num_splits=1, **extra)),
                      per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes, compiled=dict(FAST=True))
         # the loop of kvlab.attention.gluon (MSE keys and values of 2, 3 or 4 bits, Gluon: the interpreter cannot run
         # it, so the launch that decode_attention makes on a GPU is written here); one trip of its loop is two
@@ -206,14 +206,14 @@ def _record(out: str, only: set[str]) -> None:
                                  bytes=keys * layout.slot_bytes, keys_per_trip=keys))
         # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
         # one (fast=True, which the interpreter cannot run without a PTX emulator: the same launch, marked)
-        from kvlab.attention import AffineSlot
+        from kvlab.layout import AffineSlot
 
         for bits in (4, 8):
             kc = vc = kvlab.AffineCodec(bits, 32)
             layout = AffineSlot(DIM, bits, bits, 32)
             cache = torch.zeros(context // block, block, HEADS, layout.slot_bytes, dtype=torch.uint8)
             case("decode split step, affine", bits,
-                 lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, block_n=64, fast=False),
+                 lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(num_splits=1, block_n=64, fast=False)),
                  per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
             plain = launches[-1]
             launches.append(dict(plain, case="decode split step, affine, fp16 pairs", constants=dict(plain["constants"], FAST=True)))

@@ -58,7 +58,7 @@ import torch
 
 __all__ = [
     "AFFINE_BITS", "ATTENTION_AFFINE_BITS", "HEAD_DIMS", "MMA_BITS", "MMA_DIMS", "MSE_BITS", "NORM_BYTES",
-    "PACK_BITS", "STORE_GLUON_DIMS", "MSESlot", "code_order", "packed_bytes",
+    "PACK_BITS", "STORE_GLUON_DIMS", "AffineSlot", "MSESlot", "code_order", "packed_bytes",
 ]
 
 NORM_BYTES = 2  # fp16
@@ -152,3 +152,29 @@ class MSESlot:
     @property
     def value_code_bytes(self) -> int:
         return self.value_bytes + NORM_BYTES
+
+
+@dataclass(frozen=True)
+class AffineSlot:
+    """Offsets inside one ``[key code | value code]`` slot of the paged affine cache (token-axis codes)."""
+
+    dim: int
+    key_bits: int
+    value_bits: int
+    group_size: int
+
+    @property
+    def key_code_bytes(self) -> int:
+        return packed_bytes(self.dim, self.key_bits) + 4 * (self.dim // self.group_size)
+
+    @property
+    def value_code_bytes(self) -> int:
+        return packed_bytes(self.dim, self.value_bits) + 4 * (self.dim // self.group_size)
+
+    @property
+    def value_offset(self) -> int:
+        return self.key_code_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.key_code_bytes + self.value_code_bytes

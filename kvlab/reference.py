@@ -294,7 +294,7 @@ def read_slots(cache, slot_mapping, layout: MSESlot):
 
 
 def _affine_slot_sizes(dim: int, key_codec: AffineCodec, value_codec: AffineCodec) -> tuple[int, int]:
-    """Bytes of the key and of the value code in a slot of the paged affine cache (``kvlab.attention.AffineSlot``)."""
+    """Bytes of the key and of the value code in a slot of the paged affine cache (``kvlab.layout.AffineSlot``)."""
     return key_codec.nbytes(dim), value_codec.nbytes(dim)
 
 

@@ -433,8 +433,8 @@ def _decode_setup(tokens=20, kind="mse"):
         kvlab.store_mse(k, v, slots, cache, kc, vc)
     else:
         kc = vc = kvlab.AffineCodec(4, 32)
-        cache = torch.zeros(2, 16, HEADS, kvlab.attention.AffineSlot(DIM, 4, 4, 32).slot_bytes, dtype=torch.uint8, device=DEVICE)
-        kvlab.attention.store_affine_slots(k, v, slots, cache, kc, vc)
+        cache = torch.zeros(2, 16, HEADS, kvlab.layout.AffineSlot(DIM, 4, 4, 32).slot_bytes, dtype=torch.uint8, device=DEVICE)
+        kvlab.affine.store_affine_slots(k, v, slots, cache, kc, vc)
     table, lens = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE), torch.tensor([tokens], device=DEVICE)
     return cache, kc, vc, table, lens
 

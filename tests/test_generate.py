@@ -243,7 +243,8 @@ def test_replay_reads_the_same_codes_both_ways():
 def test_decode_step_equals_the_functions(fmt):
     """A layer's decode step (stores and attention prepared once, then replayed) writes the bytes of
     store_mse / store_affine_slots and returns decode_attention's output, step after step."""
-    from kvlab.attention import decode_attention, store_affine_slots
+    from kvlab.affine import store_affine_slots
+    from kvlab.attention import decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU: Triton's interpreter
     batch, kv_heads, group, dim = 3, 2, 3, 64

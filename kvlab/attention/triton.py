@@ -1,47 +1,6 @@
 """Fused decode attention over kvlab's quantized paged KV cache: ``decode_attention``.
 
-What
-    One new query token per sequence attends over its cached keys and values, read straight from the
-    packed paged cache: ``out[b, i] = softmax(scale * q[b, i] . K[b, :seq_lens[b], h(i)]) @ V[...]``
-    with ``h(i) = i // (num_q_heads / num_kv_heads)`` (grouped-query attention). Two codecs share the
-    entry point, so that they can be timed side by side:
-
-    * MSE (``kvlab.MSECodec`` keys and values, 2, 3 or 4 bits each): the cache of ``kvlab.layout``,
-      exactly what ``store_mse`` writes. Attention runs in rotated space throughout. With ``y = x R``
-      the rotation, a key decodes to ``k R = s_k c[i_k]`` (``c`` the Lloyd-Max centroids, ``s_k`` the
-      stored fp16 scale, which holds the norm correction ``|y_k| / |c[i_k]|``), so
-
-      .. math:: q \\cdot k = (q R_K) \\cdot (k R_K) = s_k \\sum_j (q R_K)_j\\, c[i_{k,j}],
-
-      and ``sum_t p_t v_t = (sum_t p_t s_t c[i_t]) R_V^T``. The query is rotated once
-      (one matrix product for the batch, ``_rotate_rows``), every score is a dot of the rotated query with the *unscaled*
-      centroids of a key times one per-token factor, every value enters with its scale folded
-      into the attention weight, and the output is rotated back once at the end
-      (``rotate_attention_output``). No cached vector is ever rotated.
-    * Centred MSE keys (``kvlab.CenteredMSECodec``: ``k = scale * z + mean_n``, ``z`` stored with the MSE
-      codec in the same slot) with MSE values: ``q . k = (q * scale) . z + q . mean_n``. The query is
-      scaled before its rotation; with RoPE the second term turns with the position and is added per
-      key from ``rope_mean_scores`` (one product per call against a per-position cos/sin table); without
-      RoPE it is the same for every key and the softmax drops it.
-    * Affine (``kvlab.AffineCodec(bits, group_size, axis="token")`` keys and values, 4 or 8 bits):
-      the paged affine layout below. Dequantization ``x_j = n_j s_g + z_g`` is linear in the index
-      ``n``; the kernel forms ``n s + z`` per group tile and runs the same loop (no rotation). By
-      default in fp32; with ``fast=True`` in fp16 pairs (``_AFFINE4``, ``_AFFINE8``): ``0x6400 | n`` is the
-      fp16 ``1024 + n``, so a subtraction and an fp16x2 multiply-add give ``n s + z``. At 4 bits that
-      tile holds, at position ``2 j + h`` of each 8, coordinate ``j + 4 h`` (``_affine_tile_order``); the
-      query is permuted to match and the output put back, as for the MSE tiles.
-
-    Split-KV (flash-decoding): the keys of a sequence are cut into ``num_splits`` ranges; one program
-    per (sequence, KV head, range) computes an unnormalised partial output with its running maximum and
-    sum (base-2 online softmax), and a second kernel merges the ranges with a log-sum-exp reduction.
-    Two loops compute the partial outputs: for MSE keys and values of 2, 3 or 4 bits on a GPU (dim 64 or
-    128; 2-bit values and 3-bit keys or values at 128; at most 16 query heads per KV head) by default the one of ``kvlab.attention.gluon`` (Gluon: every tile is
-    dequantized in the register layout of an ``mma.sync`` operand, none goes through shared memory),
-    otherwise the split loop below (``_decode_split_kernel``); ``mma=`` chooses.
-
-    ``prefill_attention`` is the continuation-prefill path (several new tokens per sequence whose keys
-    and values are already in the cache): it materialises model-space K/V of the whole context, the
-    inverse rotation as a batched matrix product (``load_mse(space="model")``), and runs torch SDPA.
+The split loop, its kernels and launch helpers; ``kvlab.attention.api`` checks, picks the loop and launches.
 
 Layouts
     MSE: ``kvlab.layout`` (one uint8 cache ``[num_blocks, block_size, num_kv_heads, slot_bytes]``, a
@@ -95,187 +54,29 @@ How, the split loop (one program: a sequence, a KV head, a range of keys; ``BLOC
     * A step is a read (``_fetch_tile``: block-table entries, code words, norms) and the arithmetic on
       it (``_attend_mse``); ``prefetch=True`` issues step ``i + 1``'s read before step ``i``'s arithmetic.
 
-Reference
-    ``kvlab.reference.decode_attention_reference`` / ``prefill_attention_reference``: fp32 attention
-    over the cache dequantized by the reference codecs (this module does not import them);
-    ``tests/ops/test_attention.py`` compares the two.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import _checks as C
-from . import gluon as decode_mma
-from ..affine.triton import affine_code_bytes, pack_affine, unpack_affine
-from ..params import AffineParams, CenteredParams, MSEParams
-from ..layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS as DIMS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
-from ..centered.api import load_centered_mse
+from ..layout import MSESlot
 from .._kernels import tables as T  # per-codec device tables (rebuilt when the codec's tensors change), SMs
-from .._kernels.mse_tile import load_words as _load_words, mse_tile_fast as _mse_tile_fast, mse_words as _mse_words, pairs_to_tile as _pairs_to_tile
+from .._kernels.mse_tile import mse_tile_fast as _mse_tile_fast, mse_words as _mse_words
 from .._kernels.tables import tile_order
-from ..mse.api import load_mse
+from ..layout import AffineSlot
+from .triton_tiles import affine_tile_any, load_norm, mse_bytes, mse_tile_generic
 
-__all__ = [
-    "AffineSlot",
-    "decode_attention",
-    "rope_mean_scores",
-    "prefill_attention",
-    "rotate_attention_output",
-    "store_affine_slots",
-    "tile_order",
-]
+__all__ = ["rope_mean_scores", "rotate_rows", "split_spec", "split_tables", "tile_order"]
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # default: a split covers at least this many keys
 PROGRAMS_PER_SM = 16  # default number of splits: about this many programs per SM
 NEG_BIG = tl.constexpr(-1.0e30)  # running maximum before any key (finite: no inf - inf)
-
-
-@dataclass(frozen=True)
-class AffineSlot:
-    """Offsets inside one ``[key code | value code]`` slot of the paged affine cache (token-axis codes)."""
-
-    dim: int
-    key_bits: int
-    value_bits: int
-    group_size: int
-
-    @property
-    def key_code_bytes(self) -> int:
-        return affine_code_bytes(self.dim, self.key_bits, self.group_size, "token")
-
-    @property
-    def value_code_bytes(self) -> int:
-        return affine_code_bytes(self.dim, self.value_bits, self.group_size, "token")
-
-    @property
-    def value_offset(self) -> int:
-        return self.key_code_bytes
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.key_code_bytes + self.value_code_bytes
-
-
-# ----------------------------------------------------------------------------- lookups (inline PTX)
-
-# Affine: fp16 pairs n s + z of a code word, without a conversion instruction: 0x6400 | n is the fp16
-# 1024 + n (n < 1024 sits in the mantissa), so one subtraction gives n exactly and one fp16x2 multiply-add
-# n s + z. Inputs: the word, then s and z as fp16 pairs (the same value twice).
-# 4 bit: $0..$3 = (n_j, n_{j+4}) for j = 0..3 (nibble j at bits 4 j).
-_AFFINE4 = tl.constexpr(
-    "{\n.reg .b32 a, m;\nmov.b32 m, 0x64006400;\n"
-    + "".join(f"shr.b32 a, $4, {4 * j};\nand.b32 a, a, 0x000F000F;\nor.b32 a, a, m;\nsub.rn.f16x2 a, a, m;\n"
-              f"fma.rn.f16x2 ${j}, a, $5, $6;\n" for j in range(4))
-    + "}")
-
-# 8 bit: $0 = (n_0, n_1), $1 = (n_2, n_3) (byte j of the word): natural order.
-_AFFINE8 = tl.constexpr("""{
-.reg .b32 a, m, e;
-mov.b32 e, 0x64646464;
-mov.b32 m, 0x64006400;
-prmt.b32 a, $2, e, 0x4140;
-sub.rn.f16x2 a, a, m;
-fma.rn.f16x2 $0, a, $3, $4;
-prmt.b32 a, $2, e, 0x4342;
-sub.rn.f16x2 a, a, m;
-fma.rn.f16x2 $1, a, $3, $4;
-}""")
-
-
-@triton.jit
-def _tile_coordinate(D: tl.constexpr, BITS: tl.constexpr):
-    """The coordinate each tile position holds (``tile_order``), ``[D]``."""
-    o_p = tl.arange(0, D)
-    if BITS == 2:
-        return (o_p // 16) * 16 + (o_p % 8) // 2 + 4 * (o_p % 2) + 8 * ((o_p % 16) // 8)
-    else:
-        return o_p
-
-
-@triton.jit
-def _mse_bytes(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """For ``_mse_tile_generic``: per tile position, the code's two bytes from the one holding its index
-    (int32 ``[BN, D]``; the second is 0 past the code)."""
-    o_byte = (_tile_coordinate(D, BITS) * BITS) // 8
-    p = cache_ptr + o_base[:, None] + o_byte[None, :]
-    m_hi = m_n[:, None] & ((o_byte + 1) < (D * BITS // 8))[None, :]
-    return tl.load(p, mask=m_n[:, None], other=0).to(tl.int32) | (tl.load(p + 1, mask=m_hi, other=0).to(tl.int32) << 8)
-
-
-@triton.jit
-def _mse_tile_generic(b_b, cent_ptr, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """As ``_mse_tile_fast``, index by index (from ``_mse_bytes``): shifts, then a gather from the centroid table."""
-    o_bit = _tile_coordinate(D, BITS) * BITS
-    b_i = (b_b >> (o_bit % 8)[None, :]) & ((1 << BITS) - 1)
-    return tl.load(cent_ptr + b_i).to(tl.float16)  # [BN, D]
-
-
-@triton.jit
-def _affine_tile(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
-    """Dequantized tile ``n s + z`` ``[BN, D]`` fp16 (natural order) of token-axis affine codes."""
-    PER: tl.constexpr = 32 // BITS
-    NG: tl.constexpr = D // GROUP
-    b_w = _load_words(cache_ptr, o_base, tl.arange(0, D // PER), m_n, True)  # [BN, D/PER]
-    o_k = tl.arange(0, PER) * BITS
-    b_n = (b_w[:, :, None] >> o_k[None, None, :].to(tl.uint32)) & ((1 << BITS) - 1)
-    # index -> fp32 without a conversion instruction: 2**23 + n has n in its low mantissa bits
-    b_n = tl.reshape(b_n | 0x4B000000, [BN, D]).to(tl.float32, bitcast=True) - 8388608.0
-    o_g = tl.arange(0, NG)
-    p_s = (cache_ptr + o_base[:, None] + D * BITS // 8 + 2 * o_g[None, :]).to(tl.pointer_type(tl.uint16))
-    b_s = tl.load(p_s, mask=m_n[:, None], other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, NG]
-    b_z = tl.load(p_s + NG, mask=m_n[:, None], other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], [BN, NG, GROUP]), [BN, D])
-    b_z = tl.reshape(tl.broadcast_to(b_z[:, :, None], [BN, NG, GROUP]), [BN, D])
-    return (b_n * b_s + b_z).to(tl.float16)
-
-
-@triton.jit
-def _affine_tile_fast(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
-    """``_affine_tile`` by fp16-pair arithmetic (``_AFFINE4`` / ``_AFFINE8``), in the tile order of
-    ``_affine_tile_order``: each word's scale and zero are read for that word (cached reads), so the
-    tile needs no exchange between threads before its product."""
-    PER: tl.constexpr = 32 // BITS
-    NG: tl.constexpr = D // GROUP
-    o_w = tl.arange(0, D // PER)
-    b_w = _load_words(cache_ptr, o_base, o_w, m_n, True)  # [BN, W]
-    p_s = (cache_ptr + o_base[:, None] + D * BITS // 8 + 2 * (o_w // (GROUP // PER))[None, :]).to(tl.pointer_type(tl.uint16))
-    b_s = tl.load(p_s, mask=m_n[:, None], other=0).to(tl.uint32)  # [BN, W] the scale of each word's group
-    b_z = tl.load(p_s + NG, mask=m_n[:, None], other=0).to(tl.uint32)
-    b_s, b_z = b_s | (b_s << 16), b_z | (b_z << 16)  # fp16 pairs
-    if BITS == 4:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(_AFFINE4, "=r,=r,=r,=r,r,r,r", [b_w, b_s, b_z],
-                                                   dtype=(tl.int32,) * 4, is_pure=True, pack=1)
-        return _pairs_to_tile((o0, o1, o2, o3), BN, D, 2)
-    else:
-        o0, o1 = tl.inline_asm_elementwise(_AFFINE8, "=r,=r,r,r,r", [b_w, b_s, b_z], dtype=(tl.int32,) * 2,
-                                           is_pure=True, pack=1)
-        return _pairs_to_tile((o0, o1), BN, D, 1)
-
-
-@triton.jit
-def _affine_tile_any(cache_ptr, o_base, m_n, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     FAST: tl.constexpr):
-    """``_affine_tile_fast`` (``FAST``) or ``_affine_tile``."""
-    if FAST:
-        return _affine_tile_fast(cache_ptr, o_base, m_n, BN, D, BITS, GROUP)
-    else:
-        return _affine_tile(cache_ptr, o_base, m_n, BN, D, BITS, GROUP)
-
-
-@triton.jit
-def _load_norm(cache_ptr, o_at, m_n):
-    """fp16 norm at byte ``o_at`` (2-byte aligned) of each row, as fp32 ``[BN]``; 0 where masked."""
-    b = tl.load((cache_ptr + o_at).to(tl.pointer_type(tl.uint16)), mask=m_n, other=0)
-    return b.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -308,10 +109,10 @@ def _fetch_tile(
         v0, v1, v2 = _mse_words(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, VALUE_ALIGN4)
     else:
         b_none = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-        k0, k1, k2 = _mse_bytes(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K), b_none, b_none
-        v0, v1, v2 = _mse_bytes(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V), b_none, b_none
-    b_kn = _load_norm(cache_ptr, o_slot + KEY_NORM_OFFSET, m_n) * q_unscale
-    b_vn = _load_norm(cache_ptr, o_slot + VALUE_NORM_OFFSET, m_n)
+        k0, k1, k2 = mse_bytes(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K), b_none, b_none
+        v0, v1, v2 = mse_bytes(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V), b_none, b_none
+    b_kn = load_norm(cache_ptr, o_slot + KEY_NORM_OFFSET, m_n) * q_unscale
+    b_vn = load_norm(cache_ptr, o_slot + VALUE_NORM_OFFSET, m_n)
     return k0, k1, k2, b_kn, v0, v1, v2, b_vn
 
 
@@ -377,7 +178,7 @@ def _attend_mse(
     if FAST:
         b_k = _mse_tile_fast(k0, k1, k2, tk0, tk1, tk2, tk3, BLOCK_N, D, BITS_K)
     else:
-        b_k = _mse_tile_generic(k0, key_cent_ptr, BLOCK_N, D, BITS_K)
+        b_k = mse_tile_generic(k0, key_cent_ptr, BLOCK_N, D, BITS_K)
     b_s = _scores(b_q, b_k, KEYS_AS_ROWS) * _per_key(b_kn, KEYS_AS_ROWS)
     if HAS_BIAS:  # centred keys with a turning mean: q . RoPE_n(mean), one fp32 per query row and position
         b_s += tl.load(bias_ptr + _per_query(o_bias, KEYS_AS_ROWS) + _per_key(o_n, KEYS_AS_ROWS),
@@ -389,7 +190,7 @@ def _attend_mse(
     if FAST:
         b_v = _mse_tile_fast(v0, v1, v2, tv0, tv1, tv2, tv3, BLOCK_N, D, BITS_V)
     else:
-        b_v = _mse_tile_generic(v0, value_cent_ptr, BLOCK_N, D, BITS_V)
+        b_v = mse_tile_generic(v0, value_cent_ptr, BLOCK_N, D, BITS_V)
     b_acc = _accumulate(b_acc, b_alpha, b_p * _per_key(b_vn, KEYS_AS_ROWS), b_v, KEYS_AS_ROWS)
     return b_m, b_l, b_acc
 
@@ -428,10 +229,10 @@ def _attend_affine(
     (``FAST``: in fp16 pairs, ``_affine_tile_fast``)."""
     m_n, o_slot = _slot_offsets(block_table_ptr, o_n, end, i_b, i_h, stride_bt, stride_block, stride_pos, stride_head,
                                 num_blocks, BLOCK_SIZE)
-    b_k = _affine_tile_any(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP, FAST)
+    b_k = affine_tile_any(cache_ptr, o_slot, m_n, BLOCK_N, D, BITS_K, GROUP, FAST)
     b_s = tl.where(_per_key(m_n, KEYS_AS_ROWS), _scores(b_q, b_k, KEYS_AS_ROWS) * q_unscale, float("-inf"))
     b_m, b_alpha, b_p, b_l = _softmax_step(b_s, b_m, b_l, KEYS_AS_ROWS)
-    b_v = _affine_tile_any(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP, FAST)
+    b_v = affine_tile_any(cache_ptr, o_slot + VALUE_OFFSET, m_n, BLOCK_N, D, BITS_V, GROUP, FAST)
     b_acc = _accumulate(b_acc, b_alpha, b_p, b_v, KEYS_AS_ROWS)
     return b_m, b_l, b_acc
 
@@ -638,128 +439,7 @@ def _device_table(codec, name, device, build):
     return T.cached(codec, (name, device), source, lambda s: build(s).to(device))
 
 
-def _is_mse(codec) -> bool:
-    return isinstance(codec, MSEParams)
-
-
-def _is_affine(codec) -> bool:
-    return isinstance(codec, AffineParams)
-
-
-def _is_centered(codec) -> bool:
-    return isinstance(codec, CenteredParams) and _is_mse(codec.mse)
-
-
-def _split_centered(key_codec, position_offset):
-    """``(centred codec or None, the MSE codec of the keys' codes)``; checks ``position_offset`` for centred keys."""
-    if not _is_centered(key_codec):
-        return None, key_codec
-    C.check_int("position_offset", position_offset, minimum=0)
-    return key_codec, key_codec.mse
-
-
-def _check_codecs(key_codec, value_codec, dim: int) -> str:
-    """``"mse"`` or ``"affine"``; raises for anything else or for a mix."""
-    kinds = []
-    if _is_centered(key_codec):
-        shape = (key_codec.num_heads, dim)
-        for attr in ("mean", "scale"):
-            t = getattr(key_codec, attr)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                raise ValueError(f"key_codec.{attr} must be a tensor of shape {shape} (num_kv_heads, dim)")
-        rope = key_codec.rope
-        if rope is not None and getattr(rope, "dim", None) != dim:
-            raise ValueError(f"key_codec.rope must rotate {dim} channels, got {getattr(rope, 'dim', None)}")
-        key_codec = key_codec.mse
-    for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
-        if _is_mse(codec):
-            C.check_int(f"{name}.bits", codec.bits, MSE_BITS)
-            if tuple(codec.centroids.shape) != (1 << codec.bits,) or tuple(codec.rotation.shape) != (codec.dim, codec.dim):
-                raise ValueError(f"{name} has centroids/rotation of the wrong shape for bits={codec.bits}, dim={codec.dim}")
-            kinds.append("mse")
-        elif _is_affine(codec):
-            C.check_int(f"{name}.bits", codec.bits, AFFINE_BITS)
-            if codec.axis != "token":
-                raise ValueError(f"{name}.axis must be 'token' (per-token keys and values), got {codec.axis!r}")
-            gs = codec.group_size
-            if gs < 16 or gs & (gs - 1) or dim % gs:
-                raise ValueError(f"{name}.group_size must be a power of two >= 16 dividing dim={dim}, got {gs}")
-            kinds.append("affine")
-        else:
-            allowed = "kvlab.MSECodec, a centred MSE codec (keys) or kvlab.AffineCodec"
-            raise TypeError(f"{name} must be a {allowed}, got {type(codec).__name__}")
-        if _is_mse(codec) and codec.dim != dim:
-            raise ValueError(f"{name}.dim ({codec.dim}) must equal q's last dimension ({dim})")
-    if kinds[0] != kinds[1]:
-        raise TypeError("key_codec and value_codec must be the same kind of codec (both MSE or both affine), "
-                        f"got {type(key_codec).__name__} and {type(value_codec).__name__}")
-    if kinds[0] == "affine" and key_codec.group_size != value_codec.group_size:
-        raise ValueError(f"key_codec and value_codec must share group_size, got {key_codec.group_size} and {value_codec.group_size}")
-    return kinds[0]
-
-
-def _slot_layout(kind, dim, key_codec, value_codec):
-    if kind == "mse":
-        return MSESlot(dim, key_codec.bits, value_codec.bits)
-    return AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
-
-
-def _check_paged_inputs(q, cache, block_table, seq_lens, layout, check: bool):
-    """Shapes, dtypes, devices (always) and block_table / seq_lens values (``check``: one host sync)."""
-    C.check_tensor("cache", cache, (torch.uint8,))
-    if cache.dim() != 4 or cache.shape[-1] != layout.slot_bytes:
-        raise ValueError(f"cache must have shape [num_blocks, block_size, num_kv_heads, {layout.slot_bytes}] "
-                         f"for {layout}, got {tuple(cache.shape)}")
-    if cache.stride(-1) != 1:
-        raise ValueError(f"cache must be contiguous in its last (byte) dimension, got strides {cache.stride()}")
-    if cache.data_ptr() % 4 or any(s % 4 for s in cache.stride()[:3]):
-        raise ValueError("cache must be 4-byte aligned: its address and its block, position and head strides "
-                         f"must be multiples of 4 bytes, got strides {cache.stride()}")
-    num_blocks, block_size, num_kv_heads, _ = cache.shape
-    batch, num_q_heads = q.shape[0], q.shape[-2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q's number of heads ({num_q_heads}) must be a multiple of the cache's num_kv_heads "
-                         f"({num_kv_heads}) (grouped-query attention)")
-    if num_q_heads // num_kv_heads > 64:
-        raise ValueError(f"at most 64 query heads per KV head are supported, got {num_q_heads // num_kv_heads}")
-    C.check_tensor("block_table", block_table, (torch.int32,))
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-        raise ValueError(f"block_table must have shape [batch={batch}, max_blocks >= 1], got {tuple(block_table.shape)}")
-    if block_table.stride(1) != 1:
-        raise ValueError("block_table must be contiguous in its last dimension")
-    C.check_tensor("seq_lens", seq_lens, (torch.int32, torch.int64))
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
-        raise ValueError(f"seq_lens must have shape ({batch},) (one length per sequence), got {tuple(seq_lens.shape)}")
-    C.check_same_device(q=q, cache=cache, block_table=block_table, seq_lens=seq_lens)
-    C.check_kernel_device("cache", cache)
-    capacity = block_table.shape[1] * block_size
-    if check and batch:
-        if bool((seq_lens < 1).any()):
-            raise ValueError("seq_lens must be >= 1 (every sequence attends over at least one cached token)")
-        if bool((seq_lens > capacity).any()):
-            raise ValueError(f"seq_lens must be <= max_blocks * block_size = {capacity} (the block table's capacity), "
-                             f"got max {int(seq_lens.max())}")
-        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < seq_lens[:, None]
-        bad = used & ((block_table < 0) | (block_table >= num_blocks))
-        if bool(bad.any()):
-            raise ValueError(f"block_table entries of used blocks must be in [0, {num_blocks}) (num_blocks of the cache)")
-    return num_blocks, block_size, num_kv_heads, capacity
-
-
-def rotate_attention_output(output: torch.Tensor, value_codec) -> torch.Tensor:
-    """Rotated-space attention output ``[..., dim]`` -> model space: ``output @ R_V^T`` in fp32, one kernel.
-
-    The only inverse rotation of the decode path; returns fp32 (cast as needed).
-    """
-    C.check_tensor("output", output, C.FLOAT_DTYPES, ndim_min=1)
-    if not _is_mse(value_codec):
-        raise TypeError(f"value_codec must be a kvlab.MSECodec, got {type(value_codec).__name__}")
-    if output.shape[-1] != value_codec.dim:
-        raise ValueError(f"output's last dimension ({output.shape[-1]}) must equal value_codec.dim ({value_codec.dim})")
-    return _to_model_space(output, value_codec)
-
-
-def _rotate_spec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None = None):
+def rotate_spec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None = None):
     """The launch of ``_rotate_rows_kernel`` (``kvlab._kernels.launch`` spec): ``out = (x * scale) @ w`` (``x``, ``out``
     contiguous, rows of ``w.shape[0]``)."""
     dim = x.shape[-1]
@@ -771,23 +451,17 @@ def _rotate_spec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: tor
     return _rotate_rows_kernel, (C.cdiv(rows, 16), dim // block_c), args, dict(num_warps=4)
 
 
-def _rotate_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+def rotate_rows(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``(x * scale) @ w`` over the last dimension of ``x`` in fp32, returned as ``dtype``: one launch of
     ``_rotate_rows_kernel`` (``w`` fp32 ``[dim, dim]``; ``scale`` fp32 ``[n, dim]``, row ``r`` of ``x``'s rows
     taking row ``r % n``). Decode rotates a few rows a call: one small kernel, not a cast, a GEMM and a cast."""
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if x.numel():
-        fn, grid, args, options = _rotate_spec(x, w, out, scale)
-        with _on_device(x.device):
+        fn, grid, args, options = rotate_spec(x, w, out, scale)
+        with on_device(x.device):
             fn[grid](**args, **options)
     return out
-
-
-def _to_model_space(output: torch.Tensor, value_codec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    rot_t = T.cached(value_codec, ("rotation_t", output.device), value_codec.rotation,
-                    lambda r: r.to(device=output.device, dtype=torch.float32).T.contiguous())
-    return _rotate_rows(output, rot_t, dtype)
 
 
 def _rope_table(key_codec, length: int, offset: int, device) -> torch.Tensor:
@@ -822,60 +496,20 @@ def rope_mean_scores(q: torch.Tensor, key_codec, length: int, position_offset: i
     return ab @ _rope_table(key_codec, length, position_offset, q.device).T
 
 
-# The launch of the split loop when the caller leaves it to the library: the fastest configuration of
-# ``benchmarks/bench_decode.py --sweep`` at batch 8, context 32k, 32 query and 8 KV heads, head dim 128,
-# on an H200 (results/decode_attention_sweep.csv, timed before the value codes were read as aligned
-# words), by cache kind and the wider of the key and value bit widths. Centred 2- and 3-bit keys use
-# the MSE entry. Other shapes and GPUs may prefer others: every field is an argument of
-# ``decode_attention``.
-LAUNCH_DEFAULTS = {
-    ("mse", 4): dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, keys_as_rows=True, fast=True),
-    ("mse", 3): dict(block_n=128, num_warps=4, num_stages=1, max_registers=168, keys_as_rows=True, fast=True),
-    ("mse", 2): dict(block_n=128, num_warps=4, num_stages=1, keys_as_rows=True, fast=True),
-    ("centered", 4): dict(block_n=64, num_warps=4, num_stages=1, fast=True),
-    ("affine", 4): dict(block_n=128, num_warps=4, num_stages=1, fast=True),
-    ("affine", 8): dict(block_n=64, num_warps=4, num_stages=2, fast=False),
-}
-
-
-def launch_defaults(kind: str, bits: int) -> dict:
-    """The split loop's launch arguments for a cache ``kind`` (``"mse"``, ``"centered"``, ``"affine"``) whose
-    wider codec has ``bits`` bits: a copy of the ``LAUNCH_DEFAULTS`` entry (``fast`` as measured, before
-    the interpreter turns it off)."""
-    entry = (kind, bits) if (kind, bits) in LAUNCH_DEFAULTS or kind != "centered" else ("mse", bits)
-    if entry not in LAUNCH_DEFAULTS:
-        raise ValueError(f"no launch defaults for a {kind!r} cache of {bits} bits; have {sorted(LAUNCH_DEFAULTS)}")
-    return dict(LAUNCH_DEFAULTS[entry])
-
-
-@functools.lru_cache(maxsize=None)
-def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
-    """The default split count of the loop of ``kvlab.attention.gluon`` (``decode_mma.default_splits``)."""
-    return decode_mma.default_splits(batch * num_kv_heads, capacity, T.sm_count(device))
-
-
-@functools.lru_cache(maxsize=None)
-def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, device) -> int:
-    """The split loop's default: about ``PROGRAMS_PER_SM`` programs an SM, each split at least
-    ``MIN_SPLIT_TOKENS`` (and ``block_n``) keys."""
-    want = C.cdiv(PROGRAMS_PER_SM * T.sm_count(device), max(1, batch * num_kv_heads))
-    return max(1, min(want, C.cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
-
-
-def _on_device(device: torch.device):
+def on_device(device: torch.device):
     """``device``'s context where it is not the current device (entering one costs host time every call)."""
     other = device.type == "cuda" and device.index not in (None, torch.cuda.current_device())
     return torch.cuda.device(device) if other else _nullcontext()
 
 
-def _partials(batch: int, num_q_heads: int, num_splits: int, dim: int, device):
+def partials(batch: int, num_q_heads: int, num_splits: int, dim: int, device):
     """fp32 buffers of a split loop: partial outputs, their running maxima and sums, and the merged output."""
     return (torch.empty(batch, num_q_heads, num_splits, dim, dtype=torch.float32, device=device),
             torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=device),
             torch.empty(batch, num_q_heads, dim, dtype=torch.float32, device=device))
 
 
-def _merge_spec(o_part, ml_part, order, out):
+def merge_spec(o_part, ml_part, order, out):
     """The launch of ``_merge_splits_kernel`` (``kvlab._kernels.launch`` spec): ``out`` (natural coordinate order) from
     the splits of ``o_part``."""
     batch, num_q_heads, num_splits, dim = o_part.shape
@@ -886,288 +520,13 @@ def _merge_spec(o_part, ml_part, order, out):
     return _merge_splits_kernel, (batch * num_q_heads, dim // block_d), args, dict(num_warps=2)
 
 
-def _merge(o_part, ml_part, order, out) -> None:
-    """Launch ``_merge_splits_kernel`` (``_merge_spec``)."""
-    fn, grid, args, options = _merge_spec(o_part, ml_part, order, out)
+def merge(o_part, ml_part, order, out) -> None:
+    """Launch ``_merge_splits_kernel`` (``merge_spec``)."""
+    fn, grid, args, options = merge_spec(o_part, ml_part, order, out)
     fn[grid](**args, **options)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) -> str | None:
-    """Why the loop of ``kvlab.attention.gluon`` cannot run this call, or None."""
-    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "a CUDA GPU (Triton's interpreter cannot run Gluon kernels)"
-    if _capability(q.device) < (8, 0):
-        return "a GPU of compute capability 8.0 or later (mma.sync m16n8k16)"
-    if kind != "mse" or centered is not None or key_codec.bits not in decode_mma.BITS or value_codec.bits not in decode_mma.BITS:
-        widths = ", ".join(map(str, decode_mma.BITS[:-1])) + f" or {decode_mma.BITS[-1]}"
-        return f"MSE key and value codecs of {widths} bits (not centred keys)"
-    if q.shape[-1] not in decode_mma.DIMS:
-        return f"a head dim in {decode_mma.DIMS}, got {q.shape[-1]}"
-    if value_codec.bits * q.shape[-1] < 256:
-        return f"a head dim of at least 128 for {value_codec.bits}-bit values, got {q.shape[-1]}"
-    if key_codec.bits == 3 and q.shape[-1] != 128:
-        return f"a head dim of 128 for 3-bit keys, got {q.shape[-1]}"
-    if q.shape[-2] // num_kv_heads > decode_mma.MAX_GROUP:
-        return f"at most {decode_mma.MAX_GROUP} query heads per KV head, got {q.shape[-2] // num_kv_heads}"
-    if T.prmt_tables(key_codec) is None or T.prmt_tables(value_codec) is None:
-        return "symmetric fp16 codebooks (the byte-permute lookup)"
-    return None
-
-
-def _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma, given) -> bool:
-    """Whether ``decode_attention`` runs the loop of ``kvlab.attention.gluon`` (``mma``: the caller's choice,
-    ``given``: the names of the split loop's launch arguments set); ``mma=True`` that cannot run raises."""
-    if mma is False:
-        return False
-    why_not = _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec)
-    if mma and why_not:
-        raise ValueError(f"mma=True needs {why_not}")
-    if mma and given:
-        raise ValueError(f"mma=True takes none of the split loop's launch arguments, got {', '.join(given)}")
-    return why_not is None and not given and (mma or (key_codec.bits, value_codec.bits) in decode_mma.DEFAULT_BITS)
-
-
-def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity, check=True):
-    """``decode_attention`` through ``kvlab.attention.gluon.decode_mma_kernel`` (inputs checked), then the merge;
-    None when ``check`` finds that the pre-scaled query overflows fp16 (the split loop handles it)."""
-    batch, num_q_heads, dim = q.shape
-    num_kv_heads = cache.shape[2]
-    device = q.device
-    assert MSESlot(dim, key_codec.bits, value_codec.bits).value_offset % 4 == 2
-    rot_k, order_v = _mma_tables(key_codec, value_codec, dim, scale * LOG2E, device)
-    q_in = _rotate_rows(q, rot_k, torch.float16)
-    if check and not bool(torch.isfinite(q_in).all()):
-        return None
-    if not check:  # unchecked tables and lengths: clamped, so that no read leaves the cache
-        block_table = block_table.clamp(0, cache.shape[0] - 1)
-        seq_lens = seq_lens.clamp(0, capacity)
-    split_len, num_splits = _mma_split_len(batch, num_kv_heads, capacity, num_splits, device)
-    o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
-    if batch == 0:
-        return out.to(q.dtype)
-    grid, args, constants, options = _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec,
-                                                 value_codec, split_len, num_splits)
-    with _on_device(device):
-        decode_mma.launch(grid, args, constants, options)
-        _merge(o_part, ml_part, order_v, out)
-    return _to_model_space(out, value_codec, q.dtype)
-
-
-def _mma_tables(key_codec, value_codec, dim: int, q_scale: float, device):
-    """``(rotation of the query times q_scale, its columns in the loop's order; output coordinate order)``."""
-    rot_k = T.cached(key_codec, ("mma_query_rotation", device, q_scale), key_codec.rotation,
-                    lambda r: (r.to(device=device, dtype=torch.float32)[:, decode_mma.query_order(dim, key_codec.bits).to(device)]
-                               * q_scale).contiguous())
-    order_v = T.cached(value_codec, ("mma_output_order", device), value_codec.centroids,
-                      lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
-    return rot_k, order_v
-
-
-def _mma_split_len(batch: int, num_kv_heads: int, capacity: int, num_splits, device) -> tuple[int, int]:
-    """``(keys per split, splits)`` of the loop of ``kvlab.attention.gluon`` (``num_splits`` None: the default)."""
-    if num_splits is None:
-        num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
-    split_len = C.cdiv(C.cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
-    return split_len, C.cdiv(capacity, split_len)
-
-
-def _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec, value_codec, split_len, num_splits):
-    """``(grid, arguments, constants, options)`` of ``decode_mma.launch`` for the loop of ``_decode_mma``."""
-    batch, num_q_heads, dim = q_in.shape
-    num_kv_heads = cache.shape[2]
-    layout = MSESlot(dim, key_codec.bits, value_codec.bits)
-    group_rows = max(8, C.next_power_of_2(num_q_heads // num_kv_heads))
-    max_registers = decode_mma.num_registers(group_rows)
-    extra = {} if max_registers is None else dict(maxnreg=max_registers)
-    args = (q_in, cache, block_table, seq_lens, o_part, ml_part, *T.prmt_tables(key_codec), *T.prmt_tables(value_codec),
-            split_len, num_splits, block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2))
-    constants = dict(HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=cache.shape[1], D=dim,
-                     KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
-                     VALUE_NORM_OFFSET=layout.value_norm_offset, BG=group_rows, BITS_K=key_codec.bits,
-                     BITS_V=value_codec.bits, KEY_WORDS=decode_mma.key_words_layout(dim, key_codec.bits),
-                     VALUE_WORDS=decode_mma.value_words_layout(dim, value_codec.bits))
-    return (batch * num_kv_heads, num_splits), args, constants, dict(num_warps=1, **extra)
-
-
-def _fit_fp16(q32: torch.Tensor):
-    """``(q16, f)``: ``q32 / f`` in fp16 and the power of two ``f`` (1.0 when ``q32`` fits) that keeps it finite."""
-    peak = float(q32.abs().amax()) if q32.numel() else 0.0
-    if not math.isfinite(peak):
-        raise ValueError("q * scale overflows float32 (after the rotation); use a smaller q or scale")
-    f = 2.0 ** max(0, math.ceil(math.log2(peak / 2.0**15))) if peak > 2.0**15 else 1.0
-    return (q32 / f).to(torch.float16).contiguous(), f
-
-
-def decode_attention(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    key_codec,
-    value_codec,
-    *,
-    scale: float | None = None,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    max_registers: int | None = None,
-    fast: bool | None = None,
-    check: bool = True,
-    position_offset: int = 0,
-    prefetch: bool | None = None,
-    keys_as_rows: bool | None = None,
-    mma: bool | None = None,
-) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged quantized cache: ``[batch, num_q_heads, dim]``.
-
-    ``q``: fp16/bf16 ``[batch, num_q_heads, dim]`` (dim 64, 128 or 256), ``num_q_heads`` a multiple of
-    the cache's ``num_kv_heads``. ``cache``: the paged MSE cache of ``kvlab.layout`` (``MSECodec``
-    key and value codecs, 2/3/4 bits) or the paged affine cache of ``AffineSlot``
-    (``AffineCodec`` key and value codecs, token axis, 4/8 bits). ``block_table`` int32 ``[batch,
-    max_blocks]``, ``seq_lens`` int32/int64 ``[batch]`` (1 .. ``max_blocks * block_size``).
-    ``scale``: softmax scale (default ``dim ** -0.5``). Returns ``q.dtype``.
-
-    ``num_splits`` (default: for the split loop about 16 programs per SM, splits of at least 256 keys; for
-    the loop of ``kvlab.attention.gluon``, ``decode_mma.default_splits``), ``block_n`` (keys
-    per step, a power of two 16..256), ``num_warps``, ``num_stages`` and ``max_registers`` (a cap on
-    registers per thread, 32..255, so that more warps fit on an SM; ignored by the interpreter) tune
-    the launch; ``fast`` picks, for MSE caches, the ``prmt`` lookup over the generic unpack, and for
-    affine caches the dequantization in fp16 pairs (``_AFFINE4``, ``_AFFINE8``: no int-to-float
-    conversion, no exchange of scales between threads) over the fp32 one. Every launch argument left
-    at ``None`` comes from ``launch_defaults`` (the fastest configuration measured for the cache's
-    kind and widest bit width; ``fast`` only when compiled for a GPU). ``prefetch`` (MSE caches) pipelines the split loop by hand: each step issues the
-    next step's block-table, code and norm reads before its own arithmetic (more registers, more reads
-    in flight). ``keys_as_rows`` computes the transposed products, ``K q^T`` and ``V^T P^T``: the keys (and
-    the dims) are the rows of the matrix products, 64 or more, so that on Hopper Triton can issue them as
-    warpgroup MMAs (``wgmma``, at least 64 rows) instead of padding the query group to 16-row ``mma``
-    tiles; the result is the same up to float rounding.
-    ``check=True`` also checks ``seq_lens`` and the used ``block_table`` entries (one host sync), that
-    the codecs are those that wrote the cache (where a launcher recorded them), and whether the
-    pre-scaled fp16 query overflows (a large ``scale`` or ``q``: it is then divided by a power of two
-    and the scores multiplied back); ``check=False`` never syncs, clamps block-table entries into
-    ``[0, num_blocks)`` and lengths into ``[0, max_blocks * block_size]`` so that no read leaves the
-    cache (such inputs give unspecified numbers), and needs ``q * scale`` within fp16 after the rotation.
-
-    ``mma`` picks the loop: ``True`` the loop of ``kvlab.attention.gluon`` (MSE keys and values of 2, 3 or 4
-    bits, dim 64 or 128 (2-bit values, 3-bit keys or values: 128), at most 16 query heads per KV head, a CUDA GPU of compute capability 8.0 or later; the
-    tiles are dequantized in the tensor cores' register operands), ``False`` the split loop above
-    (``_decode_split_kernel``). ``None`` (the default) takes the first wherever it applies and no
-    launch argument of the split loop (``block_n``, ``num_warps``, ``num_stages``, ``max_registers``,
-    ``fast``, ``prefetch``, ``keys_as_rows``) is given; ``num_splits`` applies to both.
-
-    Centred keys (``key_codec`` a ``kvlab.centered.reference.CenteredMSECodec`` with ``num_heads =
-    num_kv_heads``, MSE values): the cache is the same MSE cache (``store_centered_mse`` writes it). The
-    query is scaled by the key scale of its KV head before its rotation; with ``rope`` every score also
-    gets ``q . RoPE_n(mean)`` (``rope_mean_scores``, one GEMM per call, read by the kernel per key),
-    token ``t`` of a sequence being at position ``n = position_offset + t``; without ``rope`` the mean's
-    term is the same for every key, and the softmax drops it.
-    """
-    C.check_tensor("q", q, (torch.float16, torch.bfloat16))
-    if q.dim() != 3:
-        raise ValueError(f"q must have shape [batch, num_q_heads, dim], got {tuple(q.shape)}")
-    batch, num_q_heads, dim = q.shape
-    if dim not in DIMS:
-        raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
-    kind = _check_codecs(key_codec, value_codec, dim)
-    centered, key_codec = _split_centered(key_codec, position_offset)
-    split_args = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, max_registers=max_registers, fast=fast,
-                      prefetch=prefetch, keys_as_rows=keys_as_rows)
-    tuned = launch_defaults("centered" if centered is not None else kind, max(key_codec.bits, value_codec.bits))
-    block_n = tuned["block_n"] if block_n is None else block_n
-    num_warps = tuned["num_warps"] if num_warps is None else num_warps
-    num_stages = tuned.get("num_stages") if num_stages is None else num_stages
-    max_registers = tuned.get("max_registers") if max_registers is None else max_registers
-    prefetch = tuned.get("prefetch", False) if prefetch is None else prefetch
-    keys_as_rows = tuned.get("keys_as_rows", False) if keys_as_rows is None else keys_as_rows
-    layout = _slot_layout(kind, dim, key_codec, value_codec)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {type(check).__name__}")
-    num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, check)
-    if centered is not None and centered.num_heads != num_kv_heads:
-        raise ValueError(f"key_codec.num_heads ({centered.num_heads}) must equal the cache's num_kv_heads ({num_kv_heads})")
-    if check:
-        C.check_reader(cache, key_codec, value_codec)
-        C.check_finite("q", q)
-    if scale is None:
-        scale = dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
-    if mma is not None and not isinstance(mma, bool):
-        raise TypeError(f"mma must be a bool or None, got {type(mma).__name__}")
-    given = [k for k, v in split_args.items() if v is not None]
-    if _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma, given):
-        if num_splits is not None:
-            C.check_int("num_splits", num_splits, minimum=1)
-        out = _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity, check)
-        if out is not None:
-            return out
-    C.check_int("block_n", block_n, (16, 32, 64, 128, 256))
-    C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16))
-    if num_stages is not None:
-        C.check_int("num_stages", num_stages, minimum=1)
-    if max_registers is not None:
-        C.check_int("max_registers", max_registers, minimum=32)
-        if max_registers > 255:
-            raise ValueError(f"max_registers must be at most 255 (registers per thread), got {max_registers}")
-    if num_splits is None:
-        num_splits = _default_splits(batch, num_kv_heads, capacity, block_n, q.device)
-    C.check_int("num_splits", num_splits, minimum=1)
-    interpreted = q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if fast is None:  # inline PTX: only when compiled for a GPU
-        fast = not interpreted and tuned["fast"]
-    if not isinstance(fast, bool):
-        raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be a bool, got {type(prefetch).__name__}")
-    if not isinstance(keys_as_rows, bool):
-        raise TypeError(f"keys_as_rows must be a bool, got {type(keys_as_rows).__name__}")
-    if prefetch and kind != "mse":
-        raise ValueError("prefetch=True applies to MSE caches (the affine path is not pipelined)")
-    if fast and interpreted and not T.interpreter_runs_ptx():
-        raise ValueError("fast=True needs a CUDA device (inline PTX); use fast=False or None on the CPU")
-
-    device = q.device
-    split_len = C.cdiv(C.cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = C.cdiv(capacity, split_len)  # no empty trailing splits
-    q_scale = scale * LOG2E  # base-2 exponentials: log2(e) rides on the softmax scale
-    q_unscale = 1.0
-    t = _split_tables(kind, key_codec, value_codec, dim, q_scale, fast, device, centered, num_q_heads // num_kv_heads)
-    if kind == "mse":
-        q_in = _rotate_rows(q, t["rot_q"], torch.float16, t["key_scale"])
-        if check and not bool(torch.isfinite(q_in).all()):  # q * scale beyond fp16: scaled down, scores scaled back
-            q_in, q_unscale = _fit_fp16(_rotate_rows(q, t["rot_q"], torch.float32, t["key_scale"]))
-    else:
-        q_in = q.float()
-        if fast:  # tiles in _affine_tile_order: the query's coordinates permuted to match, the output's put back
-            q_in = q_in[..., t["order_q"]]
-        q_in = q_in * q_scale
-        q_in, q_unscale = _fit_fp16(q_in) if check else (q_in.to(torch.float16).contiguous(), 1.0)
-    bias = None
-    if centered is not None and centered.rope is not None:
-        bias = (rope_mean_scores(q, centered, capacity, position_offset) * q_scale).contiguous()
-
-    o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
-    if batch == 0:
-        return out.to(q.dtype)
-    fn, grid, args, options = _split_spec(
-        q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t, key_codec, value_codec, split_len, num_blocks,
-        capacity, q_unscale, kind=kind, block_n=block_n, fast=fast, prefetch=prefetch, keys_as_rows=keys_as_rows,
-        interpreted=interpreted, num_warps=num_warps, num_stages=num_stages, max_registers=max_registers)
-    with _on_device(device):
-        fn[grid](**args, **options)
-        _merge(o_part, ml_part, t["order_v"], out)
-    if kind == "mse":
-        return _to_model_space(out, value_codec, q.dtype)
-    return out.to(q.dtype)
-
-
-def _split_tables(kind, key_codec, value_codec, dim: int, q_scale: float, fast: bool, device, centered=None,
+def split_tables(kind, key_codec, value_codec, dim: int, q_scale: float, fast: bool, device, centered=None,
                   group: int = 1) -> dict:
     """Device tables of the split loop for a cache ``kind``: the query's rotation (``rot_q``, MSE: times
     ``q_scale``, its columns in the key tile order) or coordinate order (``order_q``, affine with ``fast``),
@@ -1212,7 +571,7 @@ def _split_tables(kind, key_codec, value_codec, dim: int, q_scale: float, fast: 
     return t
 
 
-def _split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t: dict, key_codec, value_codec,
+def split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t: dict, key_codec, value_codec,
                 split_len: int, num_blocks: int, capacity: int, q_unscale: float, *, kind: str, block_n: int,
                 fast: bool, prefetch: bool, keys_as_rows: bool, interpreted: bool, num_warps: int, num_stages,
                 max_registers):
@@ -1243,223 +602,9 @@ def _split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t: di
     return _decode_split_kernel, (batch * num_kv_heads, num_splits), args, options
 
 
-class DecodeStep:
-    """``decode_attention(q, cache, block_table, seq_lens, key_codec, value_codec, scale=scale, check=False)``
-    repeated on one cache, block table and lengths tensor (read in place at every call: their owner advances
-    them and keeps them valid) for queries of one shape and dtype — one layer of a ``PagedKVCache`` in a decode
-    step. The checks, device tables, buffers and launch arguments are prepared once; a call replays the
-    launches (``kvlab._kernels.launch``): the query's rotation, the loop, the merge and the output's rotation. Returns
-    the same output as ``decode_attention``, in a buffer that the next call overwrites. MSE and affine caches
-    (not centred keys); the loop is ``decode_attention``'s default for the shape."""
-
-    def __init__(self, q, cache, block_table, seq_lens, key_codec, value_codec, *, scale=None):
-        from .._kernels.launch import Launch
-
-        decode_attention(q, cache, block_table, seq_lens, key_codec, value_codec, scale=scale, check=False)  # checks
-        batch, num_q_heads, dim = q.shape
-        kind = _check_codecs(key_codec, value_codec, dim)
-        if _is_centered(key_codec):
-            raise ValueError("the decode step reads MSE and affine caches, not centred keys")
-        device, self.shape, self.dtype = q.device, tuple(q.shape), q.dtype
-        num_blocks, block_size, num_kv_heads, _ = cache.shape
-        capacity = block_table.shape[1] * block_size
-        q_scale = (dim**-0.5 if scale is None else scale) * LOG2E
-        interpreted = device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        if _takes_mma_loop(q, num_kv_heads, kind, None, key_codec, value_codec, None, []):
-            rot_q, order_v = _mma_tables(key_codec, value_codec, dim, q_scale, device)
-            split_len, num_splits = _mma_split_len(batch, num_kv_heads, capacity, None, device)
-            q_in = torch.empty(q.shape, dtype=torch.float16, device=device)
-            o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
-            loop = decode_mma.spec(*_mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec,
-                                                value_codec, split_len, num_splits))
-        else:
-            tuned = launch_defaults(kind, max(key_codec.bits, value_codec.bits))
-            fast = not interpreted and tuned["fast"]
-            num_splits = _default_splits(batch, num_kv_heads, capacity, tuned["block_n"], device)
-            split_len = C.cdiv(C.cdiv(capacity, num_splits), tuned["block_n"]) * tuned["block_n"]
-            num_splits = C.cdiv(capacity, split_len)
-            t = _split_tables(kind, key_codec, value_codec, dim, q_scale, fast, device)
-            if kind == "mse":
-                rot_q = t["rot_q"]
-            else:  # the coordinate order times q_scale, as a matrix: one launch (the product is exact)
-                eye = torch.eye(dim, dtype=torch.float32, device=device)
-                rot_q = ((eye if t["order_q"] is None else eye[:, t["order_q"]]) * q_scale).contiguous()
-            order_v = t["order_v"]
-            q_in = torch.empty(q.shape, dtype=torch.float16, device=device)
-            o_part, ml_part, out = _partials(batch, num_q_heads, num_splits, dim, device)
-            loop = _split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, None, t, key_codec, value_codec,
-                               split_len, num_blocks, capacity, 1.0, kind=kind, block_n=tuned["block_n"], fast=fast,
-                               prefetch=tuned.get("prefetch", False), keys_as_rows=tuned.get("keys_as_rows", False),
-                               interpreted=interpreted, num_warps=tuned["num_warps"],
-                               num_stages=tuned.get("num_stages"), max_registers=tuned.get("max_registers"))
-        self.device, self.out = device, out
-        self.result = torch.empty(q.shape, dtype=q.dtype, device=device)
-        self.rotate_q = Launch(*_rotate_spec(q.contiguous(), rot_q, q_in), variable=("x_ptr",))
-        self.loop = Launch(*loop)
-        self.merge = Launch(*_merge_spec(o_part, ml_part, order_v, out))
-        self.rotate_out = None
-        if kind == "mse":
-            rot_t = T.cached(value_codec, ("rotation_t", device), value_codec.rotation,
-                            lambda r: r.to(device=device, dtype=torch.float32).T.contiguous())
-            self.rotate_out = Launch(*_rotate_spec(out, rot_t, self.result))
-
-    def __call__(self, q: torch.Tensor) -> torch.Tensor:
-        if tuple(q.shape) != self.shape or q.dtype != self.dtype:
-            raise ValueError(f"q must be {self.dtype} of shape {list(self.shape)}, got {q.dtype} {list(q.shape)}")
-        q = q if q.is_contiguous() else q.contiguous()
-        with _on_device(self.device):
-            self.rotate_q(x_ptr=q)
-            self.loop()
-            self.merge()
-            if self.rotate_out is None:
-                self.result.copy_(self.out)
-            else:
-                self.rotate_out()
-        return self.result
-
-
 class _nullcontext:
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         return False
-
-
-# ----------------------------------------------------------------------------- affine store, prefill
-
-
-def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, *, check: bool = True) -> None:
-    """Encode ``key``/``value`` ``[num_tokens, num_kv_heads, dim]`` into the paged affine cache (in place).
-
-    The bytes equal ``kvlab.reference.write_affine_slots``: ``pack_affine`` codes (token axis), then one
-    indexed copy into the slots of ``slot_mapping`` (``-1``: skipped).
-    """
-    for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
-        if not _is_affine(codec):
-            raise TypeError(f"{name} must be a kvlab.AffineCodec, got {type(codec).__name__}")
-    C.check_tensor("key", key, C.FLOAT_DTYPES)
-    if key.dim() != 3 or value.shape != key.shape:
-        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, dim], got {tuple(key.shape)} and {tuple(value.shape)}")
-    dim = key.shape[-1]
-    _check_codecs(key_codec, value_codec, dim)
-    layout = AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
-    C.check_tensor("cache", cache, (torch.uint8,))
-    if cache.dim() != 4 or cache.shape[2:] != (key.shape[1], layout.slot_bytes):
-        raise ValueError(f"cache must have shape [num_blocks, block_size, {key.shape[1]}, {layout.slot_bytes}] for {layout}, "
-                         f"got {tuple(cache.shape)}")
-    num_slots = cache.shape[0] * cache.shape[1]
-    C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
-    C.check_kernel_device("cache", cache)
-    C.check_slot_mapping(slot_mapping, key.shape[0], num_slots, cache.device, values=check)
-    codes = torch.cat([pack_affine(key, key_codec.bits, key_codec.group_size, "token", check=check),
-                       pack_affine(value, value_codec.bits, value_codec.group_size, "token", check=check)], -1)
-    keep = slot_mapping >= 0
-    cache.view(num_slots, key.shape[1], layout.slot_bytes)[slot_mapping[keep].long()] = codes[keep]
-    C.record_writer(cache, key_codec, value_codec)
-
-
-class AffineStoreStep:
-    """``store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on
-    inputs of one shape and dtype whose slots are all written (a decode step): each call encodes the keys and
-    values into one staging slot per row (two launches prepared once, ``kvlab._kernels.launch``), then copies the rows
-    into their slots. The bytes are ``store_affine_slots``'s; other inputs go through it."""
-
-    def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
-        from .._kernels.launch import Launch
-        from ..affine.triton import pack_token_spec
-
-        store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks
-        num_tokens, num_heads, dim = key.shape
-        self.cache, self.codecs, self.shape, self.dtype = cache, (key_codec, value_codec), tuple(key.shape), key.dtype
-        layout = AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
-        self.staging = torch.zeros(num_tokens, num_heads, layout.slot_bytes, dtype=torch.uint8, device=cache.device)
-        rows = self.staging.view(num_tokens * num_heads, layout.slot_bytes)
-        self.launches = []
-        for x, codec, start, size in ((key, key_codec, 0, layout.key_code_bytes),
-                                      (value, value_codec, layout.value_offset, layout.value_code_bytes)):
-            spec = pack_token_spec(x.reshape(-1, dim), rows[:, start:start + size], codec.bits, codec.group_size)
-            self.launches.append(Launch(*spec, variable=("x",)))
-
-    def __call__(self, key, value, slot_mapping) -> None:
-        if (tuple(key.shape) != self.shape or value.shape != key.shape or key.dtype != self.dtype
-                or value.dtype != self.dtype or not key.is_contiguous() or not value.is_contiguous()):
-            store_affine_slots(key, value, slot_mapping, self.cache, *self.codecs, check=False)
-            return
-        num_tokens, num_heads, dim = key.shape
-        with _on_device(self.cache.device):
-            for launch, x in zip(self.launches, (key, value)):
-                launch(x=x.view(-1, dim))
-        self.cache.view(-1, num_heads, self.cache.shape[-1]).index_copy_(0, slot_mapping, self.staging)
-
-
-def _slot_mapping(block_table, seq_lens, block_size: int, length: int) -> torch.Tensor:
-    """``[batch, length]`` slots of positions ``0 .. length - 1`` (-1 past each sequence's end)."""
-    t = torch.arange(length, device=block_table.device)
-    blocks = block_table.long().gather(1, (t // block_size).expand(block_table.shape[0], -1))
-    slots = blocks * block_size + t % block_size
-    return torch.where(t[None, :] < seq_lens[:, None], slots, -1)
-
-
-def prefill_attention(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    key_codec,
-    value_codec,
-    *,
-    scale: float | None = None,
-    check: bool = True,
-    position_offset: int = 0,
-) -> torch.Tensor:
-    """Continuation prefill: ``q`` ``[batch, q_len, num_q_heads, dim]`` are the last ``q_len`` tokens of
-    each sequence (already in the cache); causal attention over the whole cached context.
-
-    Materialises model-space K/V of all ``max(seq_lens)`` positions (MSE: ``load_mse(space="model")``,
-    the inverse rotation as a batched matrix product, in the load kernel for 16-bit ``q``; centred
-    keys: ``load_centered_mse``, token ``t`` at position ``position_offset + t``; affine:
-    ``unpack_affine``) and runs torch SDPA with a causal, length-masked boolean mask. Returns
-    ``q.dtype`` ``[batch, q_len, num_q_heads, dim]``.
-    """
-    C.check_tensor("q", q, (torch.float16, torch.bfloat16))
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [batch, q_len, num_q_heads, dim], got {tuple(q.shape)}")
-    batch, q_len, num_q_heads, dim = q.shape
-    if dim not in DIMS:
-        raise ValueError(f"q's last dimension (head dim) must be one of {DIMS}, got {dim}")
-    kind = _check_codecs(key_codec, value_codec, dim)
-    centered, key_codec = _split_centered(key_codec, position_offset)
-    layout = _slot_layout(kind, dim, key_codec, value_codec)
-    num_blocks, block_size, num_kv_heads, capacity = _check_paged_inputs(q, cache, block_table, seq_lens, layout, True)
-    if check:
-        C.check_reader(cache, key_codec, value_codec)
-        C.check_finite("q", q)
-    if bool((seq_lens < q_len).any()):
-        raise ValueError(f"seq_lens must be >= q_len ({q_len}): the new tokens are the last ones of each cached sequence")
-    if scale is None:
-        scale = dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
-    length = int(seq_lens.max())
-    slots = _slot_mapping(block_table, seq_lens, block_size, length).reshape(-1)
-    if kind == "mse":
-        if centered is not None:
-            positions = torch.arange(length, device=q.device).repeat(batch) + position_offset if centered.rope is not None else None
-            k = load_centered_mse(cache, slots, centered, space="model", out_dtype=q.dtype, positions=positions)
-        else:
-            k = load_mse(cache, slots, key_codec, part="key", space="model", out_dtype=q.dtype)
-        v = load_mse(cache, slots, value_codec, part="value", space="model", out_dtype=q.dtype)
-    else:
-        flat = cache.view(num_blocks * block_size, num_kv_heads, layout.slot_bytes)[slots.clamp_min(0)]
-        gs = key_codec.group_size
-        k = unpack_affine(flat[..., : layout.key_code_bytes].contiguous(), key_codec.bits, gs, "token", dim, q.dtype)
-        v = unpack_affine(flat[..., layout.key_code_bytes:].contiguous(), value_codec.bits, gs, "token", dim, q.dtype)
-    k = k.view(batch, length, num_kv_heads, dim).transpose(1, 2)
-    v = v.view(batch, length, num_kv_heads, dim).transpose(1, 2)
-    t = torch.arange(length, device=q.device)
-    pos = seq_lens[:, None].long() - q_len + torch.arange(q_len, device=q.device)[None, :]  # [batch, q_len]
-    mask = (t[None, None, :] <= pos[:, :, None]) & (t[None, None, :] < seq_lens[:, None, None])
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=float(scale), enable_gqa=num_q_heads != num_kv_heads)
-    return out.transpose(1, 2)

@@ -63,7 +63,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import _checks as C
 from .cache import KVCache, KVFormat, model_shape
-from ..attention.triton import AffineSlot, AffineStoreStep, DecodeStep, decode_attention, prefill_attention, store_affine_slots
+from ..layout import AffineSlot
+from ..affine.paged import AffineStoreStep
+from ..attention.api import DecodeStep
+from ..attention import decode_attention, prefill_attention
+from ..affine import store_affine_slots
 from ..layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS, MSE_BITS, MSESlot
 from ..mse.api import MSEStoreStep, store_mse
 from ..reference import (

@@ -16,7 +16,9 @@ import triton.language as tl
 
 import kvlab
 from kvlab import reference as ref
-from kvlab.attention import AffineSlot, decode_attention, prefill_attention, rotate_attention_output, store_affine_slots
+from kvlab.affine import store_affine_slots
+from kvlab.attention import DecodeLaunch, decode_attention, prefill_attention, rotate_attention_output
+from kvlab.layout import AffineSlot
 from kvlab.attention.triton import tile_order
 
 CUDA = torch.cuda.is_available()
@@ -109,7 +111,7 @@ LOOP_IDS = ["plain", "prefetch", "keys_as_rows", "prefetch-keys_as_rows"]
 def test_mse_decode_matches_reference(case, fast, loop, device):
     q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, **loop)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(fast=fast, num_splits=2, **loop))
     assert out.dtype == torch.float16 and out.shape == q.shape
     assert rel_err(out, expected) <= TOL
 
@@ -121,8 +123,7 @@ def test_decode_on_one_and_two_warps(num_warps, keys_as_rows, device):
     for setup, case, extra in ((mse_setup, MSE_CASES[1], dict(prefetch=True)), (affine_setup, AFFINE_CASES[0], dict(fast=True))):
         q, cache, block_table, seq_lens, kc, vc = setup(case, device)
         expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
-        out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=3, block_n=32, num_stages=1,
-                               num_warps=num_warps, keys_as_rows=keys_as_rows, **extra)
+        out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(num_splits=3, block_n=32, num_stages=1, num_warps=num_warps, keys_as_rows=keys_as_rows, **extra))
         assert rel_err(out, expected) <= TOL, (setup.__name__, rel_err(out, expected))
 
 
@@ -136,7 +137,7 @@ def test_mse_decode_without_norm_correction(fast, device):
     cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device)
     q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(9)).to(device).half()
     expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
-    assert rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2), expected) <= TOL
+    assert rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(fast=fast, num_splits=2)), expected) <= TOL
 
 
 # batch lengths, q heads, kv heads, dim, key bits, value bits, block size, rotation, mean turns with RoPE, position offset
@@ -178,12 +179,11 @@ def centered_setup(case, device, seed=0):
 def test_centered_decode_matches_reference(case, fast, loop, device):
     q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, fast=fast, num_splits=2, position_offset=offset,
-                           **loop)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=offset, launch=DecodeLaunch(fast=fast, num_splits=2, **loop))
     assert out.dtype == torch.float16 and out.shape == q.shape
     assert rel_err(out, expected) <= TOL
     # the same codes read as plain MSE keys (no scale, no mean) attend elsewhere: the test can tell
-    plain = decode_attention(q.half(), cache, block_table, seq_lens, kc.mse, vc, fast=fast, num_splits=2)
+    plain = decode_attention(q.half(), cache, block_table, seq_lens, kc.mse, vc, launch=DecodeLaunch(fast=fast, num_splits=2))
     assert rel_err(plain, expected) > 10 * TOL
 
 
@@ -204,8 +204,7 @@ def test_affine_decode_matches_reference(case, fast, keys_as_rows, device):
     different widths (K4V8) have different orders."""
     q, cache, block_table, seq_lens, kc, vc = affine_setup(case, device)
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=3, keys_as_rows=keys_as_rows,
-                           fast=fast)
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(num_splits=3, keys_as_rows=keys_as_rows, fast=fast))
     assert rel_err(out, expected) <= TOL
 
 
@@ -213,7 +212,7 @@ def test_splits_scale_and_bf16(device):
     """The split count changes only the summation order; a custom scale and bf16 queries work."""
     case = MSE_CASES[1]
     q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device, seed=5)
-    outs = [decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=s, block_n=32).float()
+    outs = [decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(num_splits=s, block_n=32)).float()
             for s in (1, 2, 7)]
     assert rel_err(outs[1], outs[0]) < 2e-3 and rel_err(outs[2], outs[0]) < 2e-3
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, scale=0.3)
@@ -259,7 +258,7 @@ def test_mma_decode_matches_reference(case, num_splits, device):
     q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
     for dtype in (torch.float16, torch.bfloat16):
         expected = ref.decode_attention_reference(q.to(dtype).float(), cache, block_table, seq_lens, kc, vc, scale=0.2)
-        out = decode_attention(q.to(dtype), cache, block_table, seq_lens, kc, vc, scale=0.2, num_splits=num_splits, mma=True)
+        out = decode_attention(q.to(dtype), cache, block_table, seq_lens, kc, vc, scale=0.2, launch=DecodeLaunch(num_splits=num_splits, mma=True))
         assert out.dtype == dtype and out.shape == q.shape
         assert rel_err(out, expected) <= TOL, (dtype, rel_err(out, expected))
 
@@ -269,31 +268,31 @@ def test_mma_loop_choice(device, monkeypatch):
     given; mma=True says why it cannot run; mma=False never takes it."""
     q, cache, block_table, seq_lens, kc, vc = mse_setup(([40, 7], 8, 2, 64, 4, 4, 16, "haar"), device)
     calls = []
-    original = kvlab.attention.triton._decode_mma
-    monkeypatch.setattr(kvlab.attention.triton, "_decode_mma", lambda *a: calls.append(1) or original(*a))
+    original = kvlab.attention.api._decode_mma
+    monkeypatch.setattr(kvlab.attention.api, "_decode_mma", lambda *a: calls.append(1) or original(*a))
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
     assert len(calls) == (1 if CUDA else 0)
-    assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, block_n=32), expected) <= TOL
-    assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=False), expected) <= TOL
+    assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(block_n=32)), expected) <= TOL
+    assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=False)), expected) <= TOL
     assert len(calls) == (1 if CUDA else 0)
     with pytest.raises(TypeError, match="mma must be a bool or None"):
-        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=1)
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=1))
     if not CUDA:
         with pytest.raises(ValueError, match="mma=True needs a CUDA GPU"):
-            decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=True)
+            decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=True))
         return
     with pytest.raises(ValueError, match="mma=True takes none of the split loop's launch arguments, got block_n"):
-        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, mma=True, block_n=32)
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=True, block_n=32))
     q3, cache3, block_table3, seq_lens3, kc3, vc3 = mse_setup(MSE_CASES[5], device)  # 3-bit keys at dim 64
     with pytest.raises(ValueError, match="mma=True needs a head dim of 128 for 3-bit keys, got 64"):
-        decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3, mma=True)
+        decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3, launch=DecodeLaunch(mma=True))
     qc, cachec, block_tablec, seq_lensc, kcc, vcc = affine_setup(AFFINE_CASES[0], device)
     with pytest.raises(ValueError, match="mma=True needs MSE key and value codecs of 2, 3 or 4 bits"):
-        decode_attention(qc.half(), cachec, block_tablec, seq_lensc, kcc, vcc, mma=True)
+        decode_attention(qc.half(), cachec, block_tablec, seq_lensc, kcc, vcc, launch=DecodeLaunch(mma=True))
     q2, cache2, block_table2, seq_lens2, kc2, vc2 = mse_setup(([40, 7], 8, 2, 64, 4, 2, 16, "haar"), device)
     with pytest.raises(ValueError, match="mma=True needs a head dim of at least 128 for 2-bit values, got 64"):
-        decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2, mma=True)
+        decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2, launch=DecodeLaunch(mma=True))
     decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2)  # 2-bit values at dim 64: the split loop
     assert len(calls) == 1
     q2, cache2, block_table2, seq_lens2, kc2, vc2 = mse_setup(([40, 7], 8, 2, 128, 2, 2, 16, "haar"), device)
@@ -308,7 +307,7 @@ def test_mma_loop_choice(device, monkeypatch):
     assert len(calls) == 3
     q8 = torch.randn(2, 64, 64, device=device, dtype=torch.float16)  # 32 query heads per KV head
     with pytest.raises(ValueError, match="mma=True needs at most 16 query heads per KV head, got 32"):
-        decode_attention(q8, cache, block_table, seq_lens, kc, vc, mma=True)
+        decode_attention(q8, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=True))
 
 
 def test_mma_lookups_give_operand_pairs():
@@ -408,7 +407,7 @@ def test_rotate_attention_output_is_one_product(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_rotate_rows_matches_torch(rows, dim, dtype, device):
     """The decode path's query and output rotation, ``(x * s) @ w`` in fp32, against torch in fp64."""
-    from kvlab.attention.triton import _rotate_rows
+    from kvlab.attention.triton import rotate_rows as _rotate_rows
 
     g = torch.Generator().manual_seed(rows + dim)
     x = torch.randn(rows, dim, generator=g).to(dtype)
@@ -427,7 +426,7 @@ def test_rotate_rows_matches_torch(rows, dim, dtype, device):
 def test_merge_matches_log_sum_exp(num_splits, dim, device):
     """The merge of split partial outputs, against the log-sum-exp merge in fp64; splits with no keys
     (running maximum -1e30, sum 0) weigh nothing, and the output lands in the coordinate order given."""
-    from kvlab.attention.triton import _merge
+    from kvlab.attention.triton import merge as _merge
 
     rows = (2, 3)
     g = torch.Generator().manual_seed(num_splits + dim)
@@ -537,8 +536,8 @@ def test_bad_inputs(good, device, monkeypatch):
     def call(**kw):
         args = dict(q=q, cache=cache, block_table=block_table, seq_lens=seq_lens, key_codec=kc, value_codec=vc)
         args.update(kw)
-        return decode_attention(args.pop("q"), args.pop("cache"), args.pop("block_table"), args.pop("seq_lens"),
-                                args.pop("key_codec"), args.pop("value_codec"), **args)
+        knobs = {k: args.pop(k) for k in list(args) if k in DecodeLaunch.__dataclass_fields__}
+        return decode_attention(**args, launch=DecodeLaunch(**knobs))
 
     with pytest.raises(TypeError, match="q must have dtype"):
         call(q=q.float())
@@ -627,7 +626,7 @@ def test_bad_centered_inputs(device):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, kc)
 
 
-@pytest.mark.parametrize("entry", sorted(kvlab.attention.triton.LAUNCH_DEFAULTS), ids=lambda e: f"{e[0]}{e[1]}")
+@pytest.mark.parametrize("entry", sorted(kvlab.attention.api.LAUNCH_DEFAULTS), ids=lambda e: f"{e[0]}{e[1]}")
 def test_launch_defaults(entry, device):
     """A call of the split loop that sets no launch argument runs its cache's LAUNCH_DEFAULTS entry (the same
     output, bit for bit, as passing that entry), and it matches the reference. (``mma=False``: with no
@@ -640,30 +639,29 @@ def test_launch_defaults(entry, device):
         q, cache, block_table, seq_lens, kc, vc, offset = centered_setup((lens, 8, 2, 128, bits, bits, 16, "haar", True, 5), device)
     else:
         q, cache, block_table, seq_lens, kc, vc = mse_setup((lens, 8, 2, 128, bits, bits, 16, "hadamard"), device)
-    launch = kvlab.attention.triton.launch_defaults(kind, bits)
-    assert launch == kvlab.attention.triton.LAUNCH_DEFAULTS[entry]
+    launch = kvlab.attention.api.launch_defaults(kind, bits)
+    assert launch == kvlab.attention.api.LAUNCH_DEFAULTS[entry]
     if device != "cuda":
         launch["fast"] = False  # inline PTX: the interpreter's default
-    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=2, position_offset=offset, mma=False)
-    assert torch.equal(out, decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, num_splits=2,
-                                             position_offset=offset, **launch))
+    out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=offset, launch=DecodeLaunch(num_splits=2, mma=False))
+    assert torch.equal(out, decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=offset, launch=DecodeLaunch(num_splits=2, **launch)))
     expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
     assert rel_err(out, expected) <= TOL
     if kind == "centered":  # centred 2- and 3-bit keys have no entry of their own: the MSE one
-        assert kvlab.attention.triton.launch_defaults("centered", 2) == kvlab.attention.triton.LAUNCH_DEFAULTS["mse", 2]
+        assert kvlab.attention.api.launch_defaults("centered", 2) == kvlab.attention.api.LAUNCH_DEFAULTS["mse", 2]
     with pytest.raises(ValueError, match=f"no launch defaults for a '{kind}' cache of 5 bits"):
-        kvlab.attention.triton.launch_defaults(kind, 5)
+        kvlab.attention.api.launch_defaults(kind, 5)
 
 
 def test_bad_loop_options(device):
     q, cache, block_table, seq_lens, kc, vc = mse_setup(MSE_CASES[0], device)
     with pytest.raises(TypeError, match="prefetch must be a bool"):
-        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, prefetch=1)
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(prefetch=1))
     with pytest.raises(TypeError, match="keys_as_rows must be a bool"):
-        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, keys_as_rows="yes")
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(keys_as_rows="yes"))
     q, cache, block_table, seq_lens, kc, vc = affine_setup(AFFINE_CASES[1], device)
     with pytest.raises(ValueError, match="prefetch=True applies to MSE caches"):
-        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, prefetch=True)
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(prefetch=True))
 
 
 def test_ptx_emulator():
@@ -694,7 +692,7 @@ def test_ncu_summary_reproduces_the_committed_counters(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root))
     from benchmarks import ncu_decode
 

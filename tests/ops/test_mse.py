@@ -423,7 +423,7 @@ def test_gluon_store_compiles_for_hopper():
     from kvlab.mse import gluon_store as mse_store
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     cases = [(bits, head) for bits in (2, 3, 4) for head in (0, 2)]
     out = subprocess.run([sys.executable, "-c", _COMPILE_STORE, *(f"{b},{h}" for b, h in cases)], capture_output=True,
                          text=True, env=env, check=True).stdout
