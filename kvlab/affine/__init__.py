@@ -3,6 +3,6 @@ affine cache. ``triton``: the kernels and their launchers; the oracle is ``kvlab
 Tests: ``tests/ops/test_affine.py``."""
 
 from .paged import AffineStoreStep, store_affine_slots
-from .triton import MixedAffineLayout, affine_code_bytes, pack_affine, pack_affine_mixed, unpack_affine, unpack_affine_mixed
+from .api import MixedAffineLayout, affine_code_bytes, pack_affine, pack_affine_mixed, unpack_affine, unpack_affine_mixed
 
 __all__ = ["AffineStoreStep", "MixedAffineLayout", "affine_code_bytes", "pack_affine", "pack_affine_mixed", "unpack_affine", "unpack_affine_mixed", "store_affine_slots"]

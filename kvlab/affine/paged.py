@@ -11,7 +11,7 @@ from .. import _checks as C
 from ..attention.checks import check_codecs, is_affine
 from ..attention.triton import on_device
 from ..layout import AffineSlot
-from .triton import pack_affine
+from .api import pack_affine
 
 
 def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, *, check: bool = True) -> None:
@@ -52,7 +52,7 @@ class AffineStoreStep:
 
     def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
         from .._kernels.launch import Launch
-        from ..affine.triton import pack_token_spec
+        from .api import pack_token_spec
 
         store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks
         num_tokens, num_heads, dim = key.shape

@@ -66,7 +66,7 @@ import torch
 from .. import _checks as C
 from .._kernels import tables as T
 from ..centered.api import load_centered_mse
-from ..affine.triton import unpack_affine
+from ..affine.api import unpack_affine
 from ..layout import HEAD_DIMS as DIMS, MSESlot
 from ..mse.api import load_mse
 from . import gluon as decode_mma

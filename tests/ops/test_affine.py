@@ -1,4 +1,4 @@
-"""Triton affine kernels (kvlab.affine.triton) against the pure-torch AffineCodec: same bytes, same values."""
+"""Affine kernels (kvlab.affine: api launchers, triton kernels) against the pure-torch AffineCodec: same bytes, same values."""
 
 import ast
 import functools
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kvlab
-import kvlab.affine.triton as affine
+import kvlab.affine.api as affine
+import kvlab.affine.triton
 from kvlab.affine import MixedAffineLayout
 from kvlab.reference import AffineCodec
 
@@ -200,7 +201,7 @@ def test_division_by_levels_is_correctly_rounded(levels):
 
     import numpy as np
 
-    zh, zl = affine.RECIPROCAL_SPLIT[levels]
+    zh, zl = kvlab.affine.triton.RECIPROCAL_SPLIT[levels]
     assert zh == _rn32(fractions.Fraction(1, levels)) and zl == _rn32(fractions.Fraction(1, levels) - fractions.Fraction(zh))
 
     def kernel(r):
