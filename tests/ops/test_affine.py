@@ -407,5 +407,7 @@ def test_bad_input(name, call, error, match):
 
 
 def test_exports():
-    for name in ("MixedAffineLayout", "pack_affine", "pack_affine_mixed", "unpack_affine", "unpack_affine_mixed"):
+    for name in ("pack_affine", "unpack_affine"):
         assert getattr(kvlab, name) is getattr(affine, name)
+    for name in ("MixedAffineLayout", "pack_affine", "pack_affine_mixed", "unpack_affine", "unpack_affine_mixed", "store_affine_slots"):
+        assert getattr(kvlab.affine, name) is getattr(affine if name != "store_affine_slots" else kvlab.affine.paged, name)
