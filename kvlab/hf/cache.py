@@ -15,7 +15,7 @@ What
       ``kvlab.AffineCodec``. Values are quantized per token (groups of ``group_size`` channels);
       keys per token too, or per channel (``key_axis="channel"``, KIVI): one scale and zero per channel
       for each group of ``group_size`` tokens. ``key_bits`` / ``value_bits`` may be a list with one
-      bit width per KV head (mixed precision per head, ``kvlab.MixedAffineLayout``, token axis only).
+      bit width per KV head (mixed precision per head, ``kvlab.affine.MixedAffineLayout``, token axis only).
     * ``KVFormat("mse", key_bits, value_bits, rotation="haar" | "hadamard")``: ``kvlab.MSECodec``,
       keys and values in one slot of the paged cache of ``kvlab.layout`` (``MSESlot``), written
       through a ``slot_mapping`` over a block table per sequence.

@@ -19,12 +19,12 @@ Tiling
 
     Model-space load (16-bit outputs): persistent programs, 4 an SM, each loads ``R^T`` (32 KB at dim
     128) once and loops over tiles of 64 rows, a warpgroup MMA each. Compiled, the centroids come
-    from byte permutes of the 32-bit code words (``prmt``, inline PTX, as in ``kvlab.decode``: the fp16
+    from byte permutes of the 32-bit code words (``prmt``, inline PTX, as in ``kvlab.attention``: the fp16
     codebook held as byte planes in registers; 4 bits needs a symmetric codebook), in the lookup's
     tile order, which ``R^T``'s rows follow (``tile_order``); the loop reads the next tile's words
     before computing the current one. Elsewhere (the interpreter, other dims, odd alignments) it
     shifts out each index and gathers its centroid. On sm_90 at the default tile (dims 64 and 128,
-    fp16/bf16 out) the same load runs the Gluon kernel of ``kvlab.mse_mma`` instead: the lookups
+    fp16/bf16 out) the same load runs the Gluon kernel of ``kvlab.mse.gluon_load`` instead: the lookups
     produce the centroid tile in the register layout of the warpgroup MMA's A operand and the
     product leaves from registers as 16-byte stores, with no pass through shared memory a tile.
 """

@@ -41,7 +41,7 @@ Tiling
     aligned; bytes when the cache's strides are not multiples of 4).
 
     On a CUDA GPU the Hadamard store at dim 128 and its default tiling runs the Gluon kernel of
-    ``kvlab.mse_store`` instead (``STORE_GLUON``): a row on four threads, the butterflies within chunks of
+    ``kvlab.mse.gluon_store`` instead (``STORE_GLUON``): a row on four threads, the butterflies within chunks of
     8 columns, one layout conversion through shared memory, the butterflies across chunks; the same bytes,
     with 64 registers a thread and four times the resident warps.
 
