@@ -218,7 +218,7 @@ def main():
                 kvlab.store_mse(x16, v16, slots, cache, kc, vc)
             if n_m == order[0] and args.only != "mse_load":
                 sample = slots[:4096]
-                kref, vref = kvlab.read_slots(cache, sample, layout)
+                kref, vref = kvlab.reference.read_slots(cache, sample, layout)
                 checks[f"mse_store_{rot}_b{bits}_bytes_equal"] = bool(
                     torch.equal(kref, kc.encode(x16[:4096])) and torch.equal(vref, vc.encode(v16[:4096]))
                 )
@@ -235,13 +235,13 @@ def main():
             for space in ("rotated", "model"):
                 out = kvlab.load_mse(cache, slots, vc, part="value", space=space)
                 if n_m == order[0]:
-                    ref = vc.decode(kvlab.read_slots(cache, slots[:4096], layout)[1], space=space)
+                    ref = vc.decode(kvlab.reference.read_slots(cache, slots[:4096], layout)[1], space=space)
                     checks[f"mse_load_{rot}_{space}_b{bits}_rel_err"] = rel_err(out[:4096], ref)
                 if rot == "hadamard" and space == "rotated":
                     continue  # the rotated-space load does not depend on the rotation: timed with Haar
                 load = lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, **c)  # noqa: E731
                 ms, cfg = tuned(("mse_load", rot, space, bits), load)
-                # model space: which kernel that launch runs (on Hopper, the Gluon kernel of kvlab.mse_mma), recorded
+                # model space: which kernel that launch runs (on Hopper, the Gluon kernel of kvlab.mse.gluon_load), recorded
                 kernel = {"kernel": "gluon" if _runs_gluon(lambda: load(**cfg)) else "triton"} if space == "model" else {}
                 record("mse_load", f"value, {space} space" + (", hadamard" if rot == "hadamard" else ""), bits, n, ms,
                        n * layout.value_code_bytes + n * DIM * 2, cfg | kernel,
@@ -289,12 +289,12 @@ def main():
 
         # ---- mixed per-head bits, one launch per layer
         alloc = [4, 8] * (HEADS // 2)
-        mixed = kvlab.MixedAffineLayout(alloc, DIM, 32)
-        codes = kvlab.pack_affine_mixed(x16, mixed)
+        mixed = kvlab.affine.MixedAffineLayout(alloc, DIM, 32)
+        codes = kvlab.affine.pack_affine_mixed(x16, mixed)
         label = "heads " + "/".join(map(str, alloc[:2])) + "..."
-        ms, cfg = tuned("affine_mixed_pack", lambda **c: kvlab.pack_affine_mixed(x16, mixed, check=False, **c))
+        ms, cfg = tuned("affine_mixed_pack", lambda **c: kvlab.affine.pack_affine_mixed(x16, mixed, check=False, **c))
         record("affine_mixed_pack", label, "mixed", n, ms, n * DIM * 2 + codes.numel(), cfg)
-        ms, cfg = tuned("affine_mixed_unpack", lambda **c: kvlab.unpack_affine_mixed(codes, mixed, **c))
+        ms, cfg = tuned("affine_mixed_unpack", lambda **c: kvlab.affine.unpack_affine_mixed(codes, mixed, **c))
         record("affine_mixed_unpack", label, "mixed", n, ms, codes.numel() + n * DIM * 2, cfg)
         del codes, by_head
 

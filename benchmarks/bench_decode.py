@@ -1,6 +1,6 @@
 """Decode attention over the quantized paged cache against torch SDPA in fp16 (GPU only).
 
-One run: optionally runs ``tests/test_decode.py`` and ``tests/test_centered.py`` compiled on this GPU
+One run: optionally runs ``tests/ops/test_attention.py`` and ``tests/ops/test_centered.py`` compiled on this GPU
 (or records the log of a run made just before), measures the device copy bandwidth, checks
 ``decode_attention`` against the reference at a few thousand tokens, with ``--sweep`` times the
 launch configurations of ``SWEEP`` at the headline shape (batch 8, context 32k; the fastest split-loop
@@ -13,7 +13,7 @@ in the same run: at each grid point the fastest of the ways SDPA can run it (``s
 of a KV head as SDPA's query axis, or one query row per head with ``enable_gqa``, each with torch's choice of
 kernel and with each backend forced; no head is copied), named in the CSV's ``config``. The grid
 runs what a caller who sets no launch argument gets (for MSE keys and values of 2, 3 or 4 bits the loop of
-``kvlab.decode_mma``, else the split loop at its ``launch_defaults``; the CSV's ``config`` says which),
+``kvlab.attention.gluon``, else the split loop at its ``launch_defaults``; the CSV's ``config`` says which),
 or with ``--sweep`` the fastest configuration of the sweep.
 
 Timings are medians of ``triton.testing.do_bench`` of the whole entry point (for MSE caches
@@ -28,7 +28,7 @@ random codes (valid fp16 norms, scales and zeros) in shuffled physical blocks of
 points that do not fit in memory are recorded as skipped.
 
 ``--splits`` instead times the MSE calls over split counts (``decode_mma_splits.json``: the data behind
-``kvlab.decode_mma.default_splits``).
+``kvlab.attention.gluon.default_splits``).
 
     python benchmarks/bench_decode.py [--out results] [--no-tests | --tests-log FILE] [--quick] [--sweep] [--splits]
 """
@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 import kvlab  # noqa: E402
 from benchmarks.common import bench_graph, run_tests, write_csv  # noqa: E402
 from kvlab import reference as ref  # noqa: E402
-from kvlab.decode import AffineSlot, decode_attention  # noqa: E402
+from kvlab.attention import DecodeLaunch, decode_attention  # noqa: E402
+from kvlab.layout import AffineSlot  # noqa: E402
 
 HQ, HKV, DIM, BLOCK = 32, 8, 128, 16
 BATCHES = (1, 8, 32)
@@ -158,7 +159,7 @@ def copy_bandwidth(nbytes=4 << 30):
 def codecs(kind, kb, vb):
     if kind == "centered":  # keys around a per-channel mean that turns with RoPE (theta 1e4), unit scale
         from kvlab.calibration import RoPE
-        from kvlab.centered_reference import CenteredMSECodec
+        from kvlab.centered import CenteredMSECodec
 
         g = torch.Generator().manual_seed(2)
         rope = RoPE(1.0 / 10000 ** (torch.arange(0, DIM, 2, dtype=torch.float64) / DIM))
@@ -198,17 +199,17 @@ def grid_launch(cfg, kind, kb, vb, q, batch, context):
     choice (no launch argument), described by the loop and launch it takes."""
     if cfg is not None:
         kw = {k: v for k, v in cfg.items() if k != "splits_factor"}
-        base = (kvlab.decode._mma_splits(batch, HKV, context, q.device) if cfg.get("mma")
-                else kvlab.decode._default_splits(batch, HKV, context, kw["block_n"], q.device))
+        base = (kvlab.attention.api._mma_splits(batch, HKV, context, q.device) if cfg.get("mma")
+                else kvlab.attention.api._default_splits(batch, HKV, context, kw["block_n"], q.device))
         kw["num_splits"] = max(1, round(base * cfg.get("splits_factor", 1)))
         return kw, " ".join(f"{k}={v}" for k, v in kw.items())
     k_codec, v_codec, _ = codecs(kind, kb, vb)
     centered = k_codec if kind == "centered" else None
     k_codec = k_codec.mse if kind == "centered" else k_codec
-    if kvlab.decode._takes_mma_loop(q, HKV, kind, centered, k_codec, v_codec, None, ()):
-        return {}, f"mma=True num_splits={kvlab.decode._mma_splits(batch, HKV, context, q.device)}"
-    tuned = kvlab.decode.launch_defaults(kind, max(kb, vb))
-    splits = kvlab.decode._default_splits(batch, HKV, context, tuned["block_n"], q.device)
+    if kvlab.attention.api._takes_mma_loop(q, HKV, kind, centered, k_codec, v_codec, None, ()):
+        return {}, f"mma=True num_splits={kvlab.attention.api._mma_splits(batch, HKV, context, q.device)}"
+    tuned = kvlab.attention.api.launch_defaults(kind, max(kb, vb))
+    splits = kvlab.attention.api._default_splits(batch, HKV, context, tuned["block_n"], q.device)
     return {}, " ".join(f"{k}={v}" for k, v in tuned.items()) + f" num_splits={splits}"
 
 
@@ -237,24 +238,24 @@ def correctness_checks(codec_list=CODECS):
             elif kind == "centered":
                 kvlab.store_centered_mse(key, value, slots, cache, kc, vc, positions=t)
             else:
-                kvlab.decode.store_affine_slots(key, value, slots, cache, kc, vc)
+                kvlab.affine.store_affine_slots(key, value, slots, cache, kc, vc)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn(len(lens), HQ, DIM, device="cuda", generator=g, dtype=torch.float16)
         expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
         checks[f"{kind}_k{kb}v{vb}_rel_err"] = rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc), expected)
-        if kind == "mse" and (kb, vb) in kvlab.decode_mma.DEFAULT_BITS:  # the default is the loop of kvlab.decode_mma; the split loop too
+        if kind == "mse" and (kb, vb) in kvlab.attention.gluon.DEFAULT_BITS:  # the default is the loop of kvlab.attention.gluon; the split loop too
             checks[f"{kind}_k{kb}v{vb}_split_loop_rel_err"] = rel_err(
-                decode_attention(q, cache, block_table, seq_lens, kc, vc, mma=False), expected)
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=False)), expected)
         if kind == "mse":
             checks[f"{kind}_k{kb}v{vb}_generic_rel_err"] = rel_err(
-                decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=False), expected)
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(fast=False)), expected)
         if kind == "affine":
             for fast in (False, True):
                 checks[f"{kind}_k{kb}v{vb}_{'fp16_pairs' if fast else 'fp32'}_rel_err"] = rel_err(
-                    decode_attention(q, cache, block_table, seq_lens, kc, vc, fast=fast), expected)
+                    decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(fast=fast)), expected)
         for rows in (False, True):  # the launch defaults pick one of the two products
             checks[f"{kind}_k{kb}v{vb}_keys_as_rows_{rows}_rel_err"] = rel_err(
-                decode_attention(q, cache, block_table, seq_lens, kc, vc, keys_as_rows=rows), expected)
+                decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(keys_as_rows=rows)), expected)
     return checks
 
 
@@ -274,7 +275,7 @@ def write_results(out: Path, rows, meta, name="decode_attention"):
 
 def split_sweep(out: Path, meta: dict) -> None:
     """decode_mma_splits.json: at every grid point, MSE K4V4 and K2V2, the whole call replayed from a CUDA graph
-    at the default split count (``kvlab.decode_mma.default_splits``) and at each power of two from 2 to
+    at the default split count (``kvlab.attention.gluon.default_splits``) and at each power of two from 2 to
     1024 (at least 16 keys a split)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = dict(meta, sm_count=sms, points=[])
@@ -284,9 +285,9 @@ def split_sweep(out: Path, meta: dict) -> None:
             for L in CONTEXTS:
                 cache, block_table, seq_lens = random_cache("mse", layout, b, L)
                 q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
-                default = kvlab.decode_mma.default_splits(b * HKV, L, sms)
+                default = kvlab.attention.gluon.default_splits(b * HKV, L, sms)
                 cands = sorted({default} | {1 << i for i in range(1, 11) if (1 << i) <= L // 16})
-                ms = {n: bench_graph(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, num_splits=n))
+                ms = {n: bench_graph(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(num_splits=n)))
                       for n in cands}
                 if None in ms.values():  # a failed call (a CUDA error stays with the process): keep what was measured
                     res["error"] = f"k{kb}v{vb} batch {b} context {L}: a call failed (see the log)"
@@ -305,7 +306,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--no-tests", action="store_true")
-    ap.add_argument("--tests-log", help="pytest output of tests/test_decode.py and tests/test_centered.py run on this machine just before (several files: comma-separated)")
+    ap.add_argument("--tests-log", help="pytest output of tests/ops/test_attention.py and tests/ops/test_centered.py run on this machine just before (several files: comma-separated)")
     ap.add_argument("--no-checks", action="store_true", help="skip the checks against the reference (a timing-only run)")
     ap.add_argument("--quick", action="store_true", help="headline point only (batch 8, context 32k)")
     ap.add_argument("--codecs", help="only these codecs, e.g. mse:4:4,centered:4:4 (default: all of CODECS)")
@@ -327,7 +328,7 @@ def main():
             "date": dt.date.today().isoformat(), "num_q_heads": HQ, "num_kv_heads": HKV, "dim": DIM,
             "block_size": BLOCK, "affine_group_size": GROUP}
     if not args.no_tests:
-        meta["tests"] = run_tests(["tests/test_decode.py", "tests/test_centered.py"], args.tests_log)
+        meta["tests"] = run_tests(["tests/ops/test_attention.py", "tests/ops/test_centered.py"], args.tests_log)
         print("tests:", meta["tests"]["summary"], flush=True)
     if args.splits:
         return split_sweep(Path(args.out), meta)
@@ -352,11 +353,11 @@ def main():
                 continue  # the affine path is not pipelined
             if "fast" in cfg and kind != "affine":
                 continue  # the MSE path is fast by default
-            if cfg.get("mma") and (kind != "mse" or {kb, vb} - set(kvlab.decode_mma.BITS)):
-                continue  # the loop of kvlab.decode_mma: 2-, 3- and 4-bit MSE keys and values
+            if cfg.get("mma") and (kind != "mse" or {kb, vb} - set(kvlab.attention.gluon.BITS)):
+                continue  # the loop of kvlab.attention.gluon: 2-, 3- and 4-bit MSE keys and values
             kw, _ = grid_launch(cfg, kind, kb, vb, q, b, L)
             try:
-                ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw))
+                ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(**kw)))
             except Exception as e:  # a configuration that does not compile or fit
                 print(f"  {kind} k{kb}v{vb} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
@@ -367,7 +368,7 @@ def main():
         if kind == "mse" and not best[(kind, kb, vb)].get("mma"):  # the generic unpack at the best configuration
             cfg = best[(kind, kb, vb)]
             kw, _ = grid_launch(cfg, kind, kb, vb, q, b, L)
-            ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, fast=False, **kw))
+            ms = bench(lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(fast=False, **kw)))
             sweep_rows.append(dict(codec=kind, key_bits=kb, value_bits=vb, config=str(cfg) + " fast=False",
                                    num_splits=kw["num_splits"], time_ms=ms))
             print(f"  generic unpack {kind} k{kb}v{vb}: {ms:.4f} ms", flush=True)
@@ -380,7 +381,7 @@ def main():
     meta["launch"] = "fastest of the sweep" if args.sweep else "the library's choice (no launch argument)"
     meta["configs"] = {f"{k[0]}_k{k[1]}v{k[2]}": v or "library default" for k, v in best.items()}
     meta["compiled"] = [dict(key=str(k)[:300], n_regs=v.n_regs, n_spills=v.n_spills)
-                        for fn in (kvlab.decode._decode_split_kernel, kvlab.decode_mma.decode_mma_kernel)
+                        for fn in (kvlab.attention.triton._decode_split_kernel, kvlab.attention.gluon.decode_mma_kernel)
                         for cache_ in fn.device_caches.values() for k, v in cache_[0].items()]
     for c in meta["compiled"]:
         print("  compiled: regs", c["n_regs"], "spills", c["n_spills"], c["key"][:160], flush=True)
@@ -428,7 +429,7 @@ def main():
                 cache, block_table, seq_lens = random_cache(kind, layout, b, L)
                 q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
                 kw, config = grid_launch(best[(kind, kb, vb)], kind, kb, vb, q, b, L)
-                fn = lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, **kw)  # noqa: E731
+                fn = lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(**kw))  # noqa: E731
                 ms, graph_ms = bench(fn), bench_graph(fn)
                 if (b, L) == HEADLINE:  # where the time of one call goes, kernel by kernel
                     try:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvlab  # noqa: E402
 from kvlab import KVCache, KVFormat  # noqa: E402
-from kvlab.generation import PagedKVCache  # noqa: E402
+from kvlab.hf.generation import PagedKVCache  # noqa: E402
 
 FORMATS = {
     "kvlab mse k4v4": KVFormat("mse", 4, 4, rotation="hadamard"),
@@ -99,7 +99,7 @@ def fill_paged(cache: PagedKVCache, context: int) -> None:
             if cache.kind == "mse":
                 kvlab.store_mse(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
             else:
-                kvlab.decode.store_affine_slots(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
+                kvlab.affine.store_affine_slots(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
     for layer in cache.layers:
         if layer is not first:
             layer.cache.copy_(first.cache)

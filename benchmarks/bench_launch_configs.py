@@ -127,10 +127,10 @@ def main():
                       lambda **c: kvlab.unpack_affine(codes, bits, 32, axis, D, **c), n * D * 2 + codes.numel())
             del codes
     if args.only in (None, "affine"):
-        mixed = kvlab.MixedAffineLayout([4, 8] * (H // 2), D, 32)
-        codes = kvlab.pack_affine_mixed(x, mixed)
+        mixed = kvlab.affine.MixedAffineLayout([4, 8] * (H // 2), D, 32)
+        codes = kvlab.affine.pack_affine_mixed(x, mixed)
         timed("affine_mixed_pack", "heads 4/8...", "mixed", [dict(block_rows=br, num_warps=w) for br in (4, 8, 16, 32) for w in (1, 2, 4)],
-              lambda **c: kvlab.pack_affine_mixed(x, mixed, check=False, **c), n * D * 2 + codes.numel())
+              lambda **c: kvlab.affine.pack_affine_mixed(x, mixed, check=False, **c), n * D * 2 + codes.numel())
 
     print(f"wrote {path}")
 

@@ -108,7 +108,7 @@ def main() -> int:
 
     from benchmarks.bench_decode import copy_bandwidth
     from benchmarks.common import bench_graph, run_tests, write_csv
-    from kvlab.decode import decode_attention as mse_decode
+    from kvlab.attention import decode_attention as mse_decode
 
     tests = run_tests(["tests/test_transform_attention.py", "tests/test_transform_kernels.py",
                        "tests/test_transform_cache.py", "tests/test_transform_generate.py"], args.tests_log)

@@ -70,7 +70,7 @@ def run() -> None:
     import torch
 
     from benchmarks.bench_decode import HKV, HQ, DIM, HEADLINE, codecs, random_cache
-    from kvlab.decode import decode_attention
+    from kvlab.attention import DecodeLaunch, decode_attention
 
     b, L = HEADLINE
     calls = []
@@ -84,7 +84,7 @@ def run() -> None:
         kc, vc, layout = codecs(kind, kb, vb)
         cache, block_table, seq_lens = random_cache(kind, layout, b, L)
         q = torch.randn(b, HQ, DIM, device="cuda", dtype=torch.float16)
-        calls.append(lambda a=(q, cache, block_table, seq_lens, kc, vc), e=extra: decode_attention(*a, check=False, **e))
+        calls.append(lambda a=(q, cache, block_table, seq_lens, kc, vc), e=extra: decode_attention(*a, check=False, launch=DecodeLaunch(**e)))
     for fn in calls:  # compile and warm up, outside the profiled range
         fn()
     torch.cuda.synchronize()

@@ -76,7 +76,7 @@ def _number(text: str) -> float:
 def summarise(path: str, out: str, run_from: str | None = None) -> None:
     """ncu's ``--csv --page details`` output (or its gzip) -> per load: the bytes counted (codes read,
     fp16 vectors written), the bytes DRAM read and wrote, and their ratios."""
-    launches = [m for m in read_launches(path, METRICS).values() if "_load_mse_kernel" in m["kernel"]]
+    launches = [m for m in read_launches(path, METRICS).values() if "load_mse_kernel" in m["kernel"]]
     if len(launches) != len(BITS) * len(CONFIGS):
         raise SystemExit(f"expected {len(BITS) * len(CONFIGS)} loads, found {len(launches)}")
     rows = []

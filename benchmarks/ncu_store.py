@@ -10,7 +10,7 @@ one call (two launches: the keys, the values) runs between ``cudaProfilerStart``
     python benchmarks/ncu_store.py --summarise ncu.csv --out results/codec_store_ncu.json
 
 ``results/codec_store_ncu.csv.gz`` is the committed run's ncu output (the Triton kernel, before the Gluon kernel of
-``kvlab.mse_store`` ran by default), ``results/codec_store_ncu_gluon.csv.gz`` the Gluon kernel's; ``--summarise``
+``kvlab.mse.gluon_store`` ran by default), ``results/codec_store_ncu_gluon.csv.gz`` the Gluon kernel's; ``--summarise``
 reads them too (``--run-from`` a JSON written on that GPU keeps its device and versions).
 """
 
@@ -60,8 +60,8 @@ def run() -> None:
 
 def summarise(path: str, out: str, run_from: str | None = None) -> None:
     """ncu's ``--csv --page details`` output (or its gzip) -> the kept metrics of each store launch."""
-    # the Triton kernel (_store_mse_kernel) or, on a CUDA GPU by default, the Gluon kernel of kvlab.mse_store (store_kernel)
-    launches = [m for m in read_launches(path, METRICS).values() if m["kernel"] in ("_store_mse_kernel", "store_kernel")]
+    # the Triton kernel (store_mse_kernel) or, on a CUDA GPU by default, the Gluon kernel of kvlab.mse.gluon_store (store_kernel)
+    launches = [m for m in read_launches(path, METRICS).values() if m["kernel"] in ("store_mse_kernel", "store_kernel")]
     if len(launches) != 2:
         raise SystemExit(f"expected the two launches of one store (keys, values), found {len(launches)}")
     shape = f"{VECTORS >> 20}M vectors of dim {DIM} in {HEADS} heads, fp16, {BITS}-bit keys and values, Hadamard rotation"

@@ -127,7 +127,7 @@ def _record(out: str, only: set[str]) -> None:
                 case(f"affine_unpack {axis}", bits, lambda: kvlab.unpack_affine(codes, bits, 32, axis, DIM),
                      codes.numel() + x.numel() * 2)
     if "mse" in only:
-        from kvlab import mse_mma, mse_store
+        from kvlab.mse import gluon_load as mse_mma, gluon_store as mse_store
 
         kv = x.view(rows // HEADS, HEADS, DIM)
         slots = torch.arange(rows // HEADS)
@@ -137,12 +137,12 @@ def _record(out: str, only: set[str]) -> None:
             layout = kvlab.MSESlot(DIM, bits, bits)
             cache = torch.zeros(rows // HEADS // 16, 16, HEADS, layout.slot_bytes, dtype=torch.uint8)
             case("mse_store hadamard, K+V", bits, lambda: kvlab.store_mse(kv, kv, slots, cache, kc, vc, check=False),
-                 2 * kv.numel() * 2 + rows * layout.slot_bytes, options=kvlab.mse._store_compiled_options(bits, 4, DIM))
-            # the store as an H200 runs it, compiled for sm_90: the Gluon kernel of kvlab.mse_store (the interpreter
+                 2 * kv.numel() * 2 + rows * layout.slot_bytes, options=kvlab.mse.api._store_compiled_options(bits, 4, DIM))
+            # the store as an H200 runs it, compiled for sm_90: the Gluon kernel of kvlab.mse.gluon_store (the interpreter
             # runs the Triton kernel above, so the launch is written here), the values' launch (codes 2 bytes past a
             # word boundary), one program of mse_store.rows() rows counted
-            head = kvlab.mse._store_head(cache, layout.value_offset, layout.value_code_bytes)
-            constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, TUPLE=kvlab.mse._square_tuple(bits),
+            head = kvlab.mse.api._store_head(cache, layout.value_offset, layout.value_code_bytes)
+            constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, TUPLE=kvlab.mse.api._square_tuple(bits),
                              OFFSET=layout.value_offset, INDEX_BYTES=layout.value_bytes, HEAD=head, NORM_CORRECTION=True,
                              CHECK=False, ROWS=mse_store.rows(), LA=None, LB=None, LW=None, LT=None, LTA=None)
             runtime = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i64",
@@ -150,28 +150,28 @@ def _record(out: str, only: set[str]) -> None:
                            stride_slot="i32", stride_block="i32", stride_pos="i32", stride_head="i32")
             # the tensors, the row stride (DIM), the row and slot counts and the block and position strides are
             # multiples of 16 at the benchmark's shapes (Triton specialises on that); the slot and head strides are not
-            launches.append(dict(module="kvlab.mse_store", kernel="store_kernel", case="mse_store hadamard, K+V (Gluon)",
+            launches.append(dict(module="kvlab.mse.gluon_store", kernel="store_kernel", case="mse_store hadamard, K+V (Gluon)",
                                  bits=bits, signature=runtime | {k: "constexpr" for k in constants}, constants=constants,
                                  aligned=[0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 14],
                                  options=mse_store.options(bits), programs=1, bytes=mse_store.rows() * (2 * DIM + layout.value_code_bytes)))
             case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
                  rows * (layout.value_code_bytes + 2 * DIM))
-            # model space, compiled for sm_90: the Gluon kernel of kvlab.mse_mma (the interpreter cannot run it, so
+            # model space, compiled for sm_90: the Gluon kernel of kvlab.mse.gluon_load (the interpreter cannot run it, so
             # the launch that load_mse makes on an H200 is written here); persistent, one tile of TILE_ROWS rows a
             # loop step, counted
-            offset, index_bytes = kvlab.mse._part_layout(vc, "value", layout.slot_bytes)
-            align4 = kvlab.mse._word_phase(cache, offset) == 0
+            offset, index_bytes = kvlab.mse.api._part_layout(vc, "value", layout.slot_bytes)
+            align4 = kvlab.mse.api._word_phase(cache, offset) == 0
             constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, OFFSET=offset, INDEX_BYTES=index_bytes,
                              ALIGN4=align4, WORDS=None, ACC=None, A=None, OUT=None, SLOTS_AHEAD=mse_mma.SLOTS_AHEAD[align4])
             runtime = dict(cache_ptr="*u8", slot_ptr="*i64", b_ptr="*fp16", out_ptr="*fp16") | {
                 name: "i32" for name in mse_mma._RUNTIME[4:]}
             # b and out are 16-byte aligned (the launcher allocates them), the cache and the slots are not specialised on
-            launches.append(dict(module="kvlab.mse_mma", kernel="model_load_kernel", case="mse_load value, model space",
+            launches.append(dict(module="kvlab.mse.gluon_load", kernel="model_load_kernel", case="mse_load value, model space",
                                  bits=bits, signature=runtime | {k: "constexpr" for k in constants}, constants=constants,
                                  aligned=[2, 3], options=dict(num_warps=mse_mma.WARPS, maxnreg=mse_mma.MAXNREG), programs=1,
                                  bytes=mse_mma.TILE_ROWS * (layout.value_code_bytes + 2 * DIM)))
     if "decode" in only:
-        from kvlab.decode import decode_attention
+        from kvlab.attention import DecodeLaunch, decode_attention
 
         hq, block, context = 32, 16, 1024
         for bits in (4, 3, 2):
@@ -185,12 +185,12 @@ def _record(out: str, only: set[str]) -> None:
             plain = dict(block_n=64, prefetch=False, keys_as_rows=False)
             for name, extra in (("decode split step", plain), ("decode split step, keys as rows", dict(plain, keys_as_rows=True)),
                                 ("decode split step, keys as rows, 128 keys", dict(plain, keys_as_rows=True, block_n=128))):
-                case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, **extra),
+                case(name, bits, lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(num_splits=1, **extra)),
                      per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes, compiled=dict(FAST=True))
-        # the loop of kvlab.decode_mma (MSE keys and values of 2, 3 or 4 bits, Gluon: the interpreter cannot run
+        # the loop of kvlab.attention.gluon (MSE keys and values of 2, 3 or 4 bits, Gluon: the interpreter cannot run
         # it, so the launch that decode_attention makes on a GPU is written here); one trip of its loop is two
         # steps of STEP keys
-        from kvlab import decode_mma
+        from kvlab.attention import gluon as decode_mma
 
         for bits in (4, 3, 2):
             layout = kvlab.MSESlot(DIM, bits, bits)
@@ -200,20 +200,20 @@ def _record(out: str, only: set[str]) -> None:
                              VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=layout.value_norm_offset, BG=8,
                              BITS_K=bits, BITS_V=bits, KEY_WORDS="key_words_layout", VALUE_WORDS="value_words_layout")
             keys = 2 * decode_mma.STEP
-            launches.append(dict(module="kvlab.decode_mma", kernel="decode_mma_kernel", case="decode mma trip", bits=bits,
+            launches.append(dict(module="kvlab.attention.gluon", kernel="decode_mma_kernel", case="decode mma trip", bits=bits,
                                  signature=runtime | {k: "constexpr" for k in constants}, constants=constants, aligned=[],
                                  options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8)), programs=1,
                                  bytes=keys * layout.slot_bytes, keys_per_trip=keys))
         # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
         # one (fast=True, which the interpreter cannot run without a PTX emulator: the same launch, marked)
-        from kvlab.decode import AffineSlot
+        from kvlab.layout import AffineSlot
 
         for bits in (4, 8):
             kc = vc = kvlab.AffineCodec(bits, 32)
             layout = AffineSlot(DIM, bits, bits, 32)
             cache = torch.zeros(context // block, block, HEADS, layout.slot_bytes, dtype=torch.uint8)
             case("decode split step, affine", bits,
-                 lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, num_splits=1, check=False, block_n=64, fast=False),
+                 lambda: decode_attention(q, cache, block_table, seq_lens, kc, vc, check=False, launch=DecodeLaunch(num_splits=1, block_n=64, fast=False)),
                  per_program=lambda r: r["constants"]["BLOCK_N"] * layout.slot_bytes)
             plain = launches[-1]
             launches.append(dict(plain, case="decode split step, affine, fp16 pairs", constants=dict(plain["constants"], FAST=True)))
@@ -251,7 +251,7 @@ def _sass(launch: dict) -> tuple[str, str, int]:
         width = dict(KEY_WORDS="BITS_K", VALUE_WORDS="BITS_V")  # a layout of the words of the key or the value codes
         const = {k: getattr(module, v)(const["D"], const[width[k]]) if isinstance(v, str) and v.endswith("_layout") else v
                  for k, v in const.items()}
-        if hasattr(module, "layout_constants"):  # kvlab.mse_mma: its layouts follow from D and BITS
+        if hasattr(module, "layout_constants"):  # kvlab.mse.gluon_load: its layouts follow from D and BITS
             const.update(module.layout_constants(const["D"], const["BITS"]))
     compiled = triton.compile(ASTSource(fn, launch["signature"], const, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)

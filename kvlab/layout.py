@@ -56,9 +56,23 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NORM_BYTES", "MSESlot", "code_order", "packed_bytes"]
+__all__ = [
+    "AFFINE_BITS", "ATTENTION_AFFINE_BITS", "HEAD_DIMS", "MMA_BITS", "MMA_DIMS", "MSE_BITS", "NORM_BYTES",
+    "PACK_BITS", "STORE_GLUON_DIMS", "AffineSlot", "MSESlot", "code_order", "packed_bytes",
+]
 
 NORM_BYTES = 2  # fp16
+
+# ----------------------------------------------------------------------------- the support matrix
+# What each codec and backend serves; every module reads it from here.
+PACK_BITS = (2, 3, 4, 8)  # packed indices (pack_indices / unpack_indices)
+MSE_BITS = (2, 3, 4)  # MSE codes: encode/decode, the paged cache's store and load
+AFFINE_BITS = PACK_BITS  # affine codes (token or channel axis), mixed per-head codes, the paged affine cache
+ATTENTION_AFFINE_BITS = (4, 8)  # affine caches that decode_attention and prefill_attention read
+HEAD_DIMS = (64, 128, 256)  # head dims of decode_attention (Triton split loop) and the generation path
+MMA_DIMS = (64, 128)  # the Gluon register-MMA decode loop and the model-space MSE load (CUDA, Hopper)
+MMA_BITS = (2, 3, 4)  # their key and value widths (3-bit codes and 2-bit values: dim 128 only)
+STORE_GLUON_DIMS = (128,)  # the Gluon Hadamard MSE store (CUDA); other dims take the Triton store
 
 
 def packed_bytes(dim: int, bits: int) -> int:
@@ -79,7 +93,7 @@ def code_order(bits: int) -> torch.Tensor:
     (``MSECodec.codebook``), and a decoder of the symmetric codebook takes the magnitude from the low
     ``bits - 1`` bits and the sign from the top bit as they are.
     """
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 3, 4):
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in MSE_BITS:
         raise ValueError(f"bits must be 2, 3 or 4, got {bits!r}")
     h = 1 << (bits - 1)
     m = torch.arange(h)
@@ -99,7 +113,7 @@ class MSESlot:
             raise ValueError(f"dim must be an int >= 1, got {self.dim!r}")
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
-            if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 3, 4):
+            if isinstance(bits, bool) or not isinstance(bits, int) or bits not in MSE_BITS:
                 raise ValueError(f"{name} must be 2, 3 or 4, got {bits!r}")
 
     @property
@@ -138,3 +152,29 @@ class MSESlot:
     @property
     def value_code_bytes(self) -> int:
         return self.value_bytes + NORM_BYTES
+
+
+@dataclass(frozen=True)
+class AffineSlot:
+    """Offsets inside one ``[key code | value code]`` slot of the paged affine cache (token-axis codes)."""
+
+    dim: int
+    key_bits: int
+    value_bits: int
+    group_size: int
+
+    @property
+    def key_code_bytes(self) -> int:
+        return packed_bytes(self.dim, self.key_bits) + 4 * (self.dim // self.group_size)
+
+    @property
+    def value_code_bytes(self) -> int:
+        return packed_bytes(self.dim, self.value_bits) + 4 * (self.dim // self.group_size)
+
+    @property
+    def value_offset(self) -> int:
+        return self.key_code_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.key_code_bytes + self.value_code_bytes

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
-from .layout import NORM_BYTES, MSESlot, code_order, packed_bytes
-from .lloyd_max import lloyd_max
-from .rotation import KINDS, MAX_DIM, fwht, hadamard_scale, hadamard_signs, rotation_matrix
+from . import layout
+from .layout import NORM_BYTES, MSESlot, packed_bytes
+from .params import AffineParams, CenteredParams, MSEParams
+from .rotation import fwht
 
 __all__ = [
     "AffineCodec",
@@ -34,7 +35,6 @@ __all__ = [
     "write_slots",
 ]
 
-PACK_BITS = (2, 3, 4, 8)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -42,7 +42,7 @@ PACK_BITS = (2, 3, 4, 8)
 
 def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer indices ``[..., n]`` (values in ``[0, 2**bits)``) into uint8 ``[..., ceil(bits n / 8)]``."""
-    C.check_int("bits", bits, PACK_BITS)
+    C.check_int("bits", bits, layout.PACK_BITS)
     C.check_codes("idx", idx, bits)
     return _pack_indices(idx, bits)
 
@@ -68,7 +68,7 @@ def unpack_indices(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
     ``nbytes`` must be ``packed_bytes(n, bits)``, the bytes ``pack_indices`` writes for ``n`` indices.
     """
-    C.check_int("bits", bits, PACK_BITS)
+    C.check_int("bits", bits, layout.PACK_BITS)
     C.check_int("n", n, minimum=0)
     C.check_tensor("packed", packed, (torch.uint8,), ndim_min=1)
     if packed.shape[-1] != packed_bytes(n, bits):
@@ -89,13 +89,13 @@ def _unpack_indices(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return (word >> shift) & ((1 << bits) - 1)
 
 
-def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
     """fp16 values ``[...]`` -> little-endian bytes ``[..., 2]``."""
     u = x.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     return torch.stack([u & 0xFF, u >> 8], -1).to(torch.uint8)
 
 
-def _fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
+def fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
     """Little-endian bytes ``[..., 2]`` -> fp16 ``[...]``."""
     u = b[..., 0].to(torch.int32) | (b[..., 1].to(torch.int32) << 8)
     return torch.where(u >= 0x8000, u - 0x10000, u).to(torch.int16).view(torch.float16)
@@ -104,7 +104,7 @@ def _fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- MSE codec
 
 
-class MSECodec:
+class MSECodec(MSEParams):
     """Rotated Lloyd-Max codec (TurboQuant's MSE variant) for vectors of ``dim`` elements.
 
     ``encode(x [..., dim]) -> uint8 [..., nbytes]`` and ``decode(codes, space="model"|"rotated")``.
@@ -132,43 +132,6 @@ class MSECodec:
     ``s = |y|``.
     """
 
-    def __init__(self, dim: int, bits: int, rotation: str = "haar", seed: int = 0, norm_correction: bool = True):
-        C.check_int("dim", dim, minimum=3)
-        if dim > MAX_DIM:
-            raise ValueError(f"dim must be in [3, {MAX_DIM}] (a dense dim x dim rotation), got {dim}")
-        C.check_int("bits", bits, (2, 3, 4))
-        C.check_choice("rotation", rotation, KINDS)
-        C.check_int("seed", seed)
-        if not isinstance(norm_correction, bool):
-            raise TypeError(f"norm_correction must be a bool, got {type(norm_correction).__name__}")
-        self.dim, self.bits, self.rotation_kind, self.seed = dim, bits, rotation, seed
-        self.norm_correction = norm_correction
-        self.quantizer = lloyd_max(bits, dim)
-        self.rotation = rotation_matrix(rotation, dim, seed)  # validates dim for the kind
-        self.hadamard_signs = self.hadamard_scale = None
-        if rotation == "hadamard":  # x @ R == fwht(x * signs) * scale, R = diag(signs) H / sqrt(dim)
-            self.hadamard_signs = hadamard_signs(dim, seed).to(torch.float32)
-            self.hadamard_scale = hadamard_scale(dim)
-        self.centroids = torch.tensor(self.quantizer.centroids, dtype=torch.float32)
-        self.boundaries = torch.tensor(self.quantizer.boundaries, dtype=torch.float32)
-        self.index_bytes = packed_bytes(dim, bits)
-        self.nbytes = self.index_bytes + NORM_BYTES
-
-    @property
-    def codebook(self) -> torch.Tensor:
-        """float32 ``[2**bits]``: the centroid of each stored code (``kvlab.layout.code_order``)."""
-        return self.centroids[code_order(self.bits)]
-
-    @property
-    def bits_per_element(self) -> float:
-        return 8.0 * self.nbytes / self.dim
-
-    def __repr__(self) -> str:
-        return (
-            f"MSECodec(dim={self.dim}, bits={self.bits}, rotation={self.rotation_kind!r}, "
-            f"seed={self.seed}, norm_correction={self.norm_correction})"
-        )
-
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1, last_dim=self.dim)
         C.check_finite("x", x)
@@ -183,7 +146,7 @@ class MSECodec:
             length = self.codebook.to(x.device)[code].double().square().sum(-1).sqrt().float()
             scale = norm / length  # fp32, correctly rounded; every centroid is nonzero, so length > 0
         C.check_fp16_scales("x", scale)
-        return torch.cat([_pack_indices(code, self.bits), _fp16_bytes(scale)], -1)
+        return torch.cat([_pack_indices(code, self.bits), fp16_bytes(scale)], -1)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ rotation`` in float32, computed as the encoder does (exactly reproducible for Hadamard)."""
@@ -198,14 +161,14 @@ class MSECodec:
         C.check_choice("space", space, ("model", "rotated"))
         code = _unpack_indices(codes[..., : self.index_bytes], self.bits, self.dim)
         # the stored scale already holds the norm correction: decoding is centroid times scale
-        y = self.codebook.to(codes.device)[code] * _fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
+        y = self.codebook.to(codes.device)[code] * fp16_from_bytes(codes[..., self.index_bytes :]).float().unsqueeze(-1)
         return y if space == "rotated" else y @ self.rotation.to(codes.device).T
 
 
 # ----------------------------------------------------------------------------- affine codec
 
 
-class AffineCodec:
+class AffineCodec(AffineParams):
     """Asymmetric min/max codec, one fp16 scale and fp16 zero per group of ``group_size``.
 
     ``axis="token"``: groups of channels within each vector; ``encode(x [..., dim])`` ->
@@ -215,28 +178,6 @@ class AffineCodec:
     ``q = floor((x - zero) * inv + 1/2)`` clamped to ``[0, 2**bits - 1]``, ``inv = 1 / scale`` (0 where
     the scale is 0), each operation rounded to fp32 on its own.
     """
-
-    def __init__(self, bits: int, group_size: int, axis: str = "token"):
-        C.check_int("bits", bits, PACK_BITS)
-        C.check_int("group_size", group_size, minimum=8)
-        if group_size % 8:
-            raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
-        C.check_choice("axis", axis, ("token", "channel"))
-        self.bits, self.group_size, self.axis = bits, group_size, axis
-        self.levels = (1 << bits) - 1
-
-    @property
-    def bits_per_element(self) -> float:
-        return self.bits + 32.0 / self.group_size
-
-    def __repr__(self) -> str:
-        return f"AffineCodec(bits={self.bits}, group_size={self.group_size}, axis={self.axis!r})"
-
-    def nbytes(self, dim: int) -> int:
-        """Bytes of one code: one vector (token axis) or ``group_size`` vectors (channel axis)."""
-        if self.axis == "token":
-            return packed_bytes(dim, self.bits) + 4 * (dim // self.group_size)
-        return self.group_size * packed_bytes(dim, self.bits) + 4 * dim
 
     def _check_dim(self, dim: int) -> None:
         if self.axis == "token" and dim % self.group_size:
@@ -277,10 +218,10 @@ class AffineCodec:
         q = self._ungrouped(q, x.shape)
         packed = _pack_indices(q, self.bits)
         if self.axis == "token":
-            return torch.cat([packed, _fp16_bytes(scale).flatten(-2), _fp16_bytes(zero).flatten(-2)], -1)
+            return torch.cat([packed, fp16_bytes(scale).flatten(-2), fp16_bytes(zero).flatten(-2)], -1)
         # [..., T, P] -> [..., T/G, G*P], then per-channel scales and zeros of the group
         packed = packed.reshape(*packed.shape[:-2], -1, self.group_size * packed.shape[-1])
-        return torch.cat([packed, _fp16_bytes(scale).flatten(-2), _fp16_bytes(zero).flatten(-2)], -1)
+        return torch.cat([packed, fp16_bytes(scale).flatten(-2), fp16_bytes(zero).flatten(-2)], -1)
 
     def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
         """uint8 codes -> float32 ``[..., dim]`` (token axis) or ``[..., tokens, dim]`` (channel axis)."""
@@ -297,8 +238,8 @@ class AffineCodec:
             q = _unpack_indices(rows, self.bits, dim)  # [..., T/G, G, dim]
             q = q.reshape(*codes.shape[:-2], -1, dim)
             meta = codes[..., self.group_size * p :]
-        scale = _fp16_from_bytes(meta[..., : 2 * ngroups].reshape(*meta.shape[:-1], ngroups, 2)).float()
-        zero = _fp16_from_bytes(meta[..., 2 * ngroups :].reshape(*meta.shape[:-1], ngroups, 2)).float()
+        scale = fp16_from_bytes(meta[..., : 2 * ngroups].reshape(*meta.shape[:-1], ngroups, 2)).float()
+        zero = fp16_from_bytes(meta[..., 2 * ngroups :].reshape(*meta.shape[:-1], ngroups, 2)).float()
         g = self._grouped(q.float())
         return self._ungrouped(g * scale.unsqueeze(-1) + zero.unsqueeze(-1), q.shape)
 
@@ -353,7 +294,7 @@ def read_slots(cache, slot_mapping, layout: MSESlot):
 
 
 def _affine_slot_sizes(dim: int, key_codec: AffineCodec, value_codec: AffineCodec) -> tuple[int, int]:
-    """Bytes of the key and of the value code in a slot of the paged affine cache (``kvlab.decode.AffineSlot``)."""
+    """Bytes of the key and of the value code in a slot of the paged affine cache (``kvlab.layout.AffineSlot``)."""
     return key_codec.nbytes(dim), value_codec.nbytes(dim)
 
 
@@ -378,7 +319,7 @@ def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec, posit
     """Model-space fp32 keys and values of each sequence: a list of ``(K, V)`` ``[seq_len, num_kv_heads, dim]``.
 
     ``MSECodec`` codecs read the cache of ``kvlab.layout``, as does a centred key codec
-    (``kvlab.centered_reference.CenteredMSECodec``, token ``t`` at position ``position_offset + t``);
+    (``kvlab.centered.reference.CenteredMSECodec``, token ``t`` at position ``position_offset + t``);
     ``AffineCodec`` codecs (token axis) the paged affine cache (``key code | value code`` per slot).
     """
     num_blocks, block_size, num_heads, slot_bytes = cache.shape
@@ -389,7 +330,7 @@ def dequantize_paged(cache, block_table, seq_lens, key_codec, value_codec, posit
         t = torch.arange(n, device=cache.device)
         slots = block_table[b].long()[t // block_size] * block_size + t % block_size
         codes = flat[slots]
-        if isinstance(key_codec, MSECodec) or hasattr(key_codec, "mse"):  # plain or centred MSE keys
+        if isinstance(key_codec, (MSEParams, CenteredParams)):  # plain or centred MSE keys
             kb = key_codec.nbytes
             # a centred codec whose mean turns with RoPE needs the tokens' positions
             turning = getattr(key_codec, "rope", None) is not None

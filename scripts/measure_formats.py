@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab import KVCache, KVFormat  # noqa: E402
-from kvlab.fingerprint import codec_fingerprint  # noqa: E402
+from kvlab.study.fingerprint import codec_fingerprint  # noqa: E402
 
 EVAL_TOKENS, WINDOW, STRIDE = 4096, 1024, 512  # the full protocol of notebooks/09_keys_at_three_bits.ipynb
 FORMATS = {
@@ -155,7 +155,7 @@ def main() -> int:
                      "transformers": transformers.__version__, "triton": triton.__version__},
         "command": "python scripts/measure_formats.py" + "".join(f" {a}" for a in sys.argv[1:]),
         "codec_fingerprint": codec_fingerprint(),
-        "model": kvlab.model.MODEL_NAME + " (" + kvlab.model.GGUF_FILE + ", dequantized to fp32)",
+        "model": kvlab.hf.model.MODEL_NAME + " (" + kvlab.hf.model.GGUF_FILE + ", dequantized to fp32)",
         "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE,
         "baseline": "fp16: KVCache(KVFormat('fp16')), keys and values rounded to fp16, the model in fp32",
         "formats": {name: repr(f) for name, f in FORMATS.items()},

@@ -9,7 +9,7 @@ Protocol (that of ``scripts/measure_formats.py`` and ``notebooks/09_keys_at_thre
   tokens sliding by 512 (7 per text), and a third text for a tighter interval: 4096 tokens from the middle of
   the pydoc topics (from token 40000), disjoint from the other two and from the calibration text;
 * calibration: the last 4096 tokens of the pydoc topics (``kvlab.transform.calibration.calibrate``);
-* every cache a ``kvlab.simulated.SimulatedCache`` of the codec's reference encode/decode, the first token and
+* every cache a ``kvlab.study.simulated.SimulatedCache`` of the codec's reference encode/decode, the first token and
   the most recent ``residual`` tokens in fp16, read as a decoder reads them (``kvlab.perplexity``'s decode
   view); bits per element everything counted (codes, gains, sink and window tokens) at the window's end;
 * baseline: ``KVCache(KVFormat("fp16"))``, measured again; its windows must match the committed ones of
@@ -49,8 +49,8 @@ import torch  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab import KVCache, KVFormat  # noqa: E402
-from kvlab.fingerprint import transform_fingerprint  # noqa: E402
-from kvlab.simulated import SimulatedCache, rope_tables, transform_part  # noqa: E402
+from kvlab.study.fingerprint import transform_fingerprint  # noqa: E402
+from kvlab.study.simulated import SimulatedCache, rope_tables, transform_part  # noqa: E402
 from kvlab.transform.calibration import calibrate, capture  # noqa: E402
 from measure_formats import EVAL_TOKENS, STRIDE, WINDOW, idle_manual, write_json  # noqa: E402
 
@@ -174,7 +174,7 @@ def main() -> int:
                          "transformers": transformers.__version__, "triton": triton.__version__},
             "command": command,
             "codec_fingerprint": transform_fingerprint(),
-            "model": kvlab.model.MODEL_NAME + " (" + kvlab.model.GGUF_FILE + ", dequantized to fp32)",
+            "model": kvlab.hf.model.MODEL_NAME + " (" + kvlab.hf.model.GGUF_FILE + ", dequantized to fp32)",
             "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE,
             "texts": {"pydoc": f"pydoc topics, tokens 0-{EVAL_TOKENS}", "idle": f"IDLE's manual, tokens 0-{EVAL_TOKENS}",
                       "pydoc-middle": f"pydoc topics, tokens {THIRD_TEXT_START}-{THIRD_TEXT_START + EVAL_TOKENS}"},

@@ -1,4 +1,4 @@
-"""Real attention inputs, channel statistics, per-head codec errors, outlier split and bit allocation (kvlab.analysis)."""
+"""Real attention inputs, channel statistics, per-head codec errors, outlier split and bit allocation (kvlab.study.analysis)."""
 
 import itertools
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kvlab
-from kvlab import analysis as A
-from kvlab import metrics as M
+from kvlab.study import analysis as A
+from kvlab.study import metrics as M
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,7 +103,7 @@ def _case(layers=2, kv_heads=3, group=2, tokens=45, dim=16, seed=0):
 
 
 def test_head_errors_match_the_metrics_at_the_last_position():
-    # every query at the last position sees all keys: each head is kvlab.metrics on its own
+    # every query at the last position sees all keys: each head is kvlab.study.metrics on its own
     q, k, v, k_hat, v_hat = _case()
     pos = torch.full((7,), 44)
     e = A.head_errors(q, k, v, k_hat, v_hat, pos)

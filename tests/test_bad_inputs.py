@@ -29,7 +29,7 @@ import torch
 
 import kvlab
 from kvlab import sweep as S
-from kvlab.cache import KVCache, KVFormat
+from kvlab.hf.cache import KVCache, KVFormat
 from kvlab.reference import decode_attention_reference, read_slots, write_slots
 
 NOTEBOOK = Path(__file__).parent / "data" / "sweep_point.ipynb"
@@ -46,7 +46,7 @@ def snapshot(obj, depth=0):
         return ("tensor", obj.dtype, tuple(obj.shape), obj.detach().clone())
     if isinstance(obj, (list, tuple)):
         return [snapshot(x, depth + 1) for x in obj]
-    if depth < 3 and type(obj).__module__ == "kvlab.cache":
+    if depth < 3 and type(obj).__module__ == "kvlab.hf.cache":
         return {k: snapshot(v, depth + 1) for k, v in vars(obj).items()}
     return obj
 
@@ -433,8 +433,8 @@ def _decode_setup(tokens=20, kind="mse"):
         kvlab.store_mse(k, v, slots, cache, kc, vc)
     else:
         kc = vc = kvlab.AffineCodec(4, 32)
-        cache = torch.zeros(2, 16, HEADS, kvlab.AffineSlot(DIM, 4, 4, 32).slot_bytes, dtype=torch.uint8, device=DEVICE)
-        kvlab.store_affine_slots(k, v, slots, cache, kc, vc)
+        cache = torch.zeros(2, 16, HEADS, kvlab.layout.AffineSlot(DIM, 4, 4, 32).slot_bytes, dtype=torch.uint8, device=DEVICE)
+        kvlab.affine.store_affine_slots(k, v, slots, cache, kc, vc)
     table, lens = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE), torch.tensor([tokens], device=DEVICE)
     return cache, kc, vc, table, lens
 
@@ -488,7 +488,7 @@ def test_checked_decode_names_the_bad_argument(table, lens, match):
 ])
 def test_pack_indices_refuses_what_it_cannot_represent(idx, bits, error, match):
     with pytest.raises(error, match=match):
-        kvlab.pack_indices(idx, bits)
+        kvlab.reference.pack_indices(idx, bits)
 
 
 @pytest.mark.parametrize("packed, n, error, match", [
@@ -499,14 +499,14 @@ def test_pack_indices_refuses_what_it_cannot_represent(idx, bits, error, match):
 ])
 def test_unpack_indices_refuses_mismatched_lengths(packed, n, error, match):
     with pytest.raises(error, match=match):
-        kvlab.unpack_indices(packed, 4, n)
+        kvlab.reference.unpack_indices(packed, 4, n)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_unpack_round_trip_at_the_edges(bits):
     idx = torch.tensor([0, (1 << bits) - 1, 1, (1 << bits) - 2, 0])
-    assert torch.equal(kvlab.unpack_indices(kvlab.pack_indices(idx, bits), bits, 5), idx)
-    assert kvlab.unpack_indices(kvlab.pack_indices(idx[:0], bits), bits, 0).shape == (0,)
+    assert torch.equal(kvlab.reference.unpack_indices(kvlab.reference.pack_indices(idx, bits), bits, 5), idx)
+    assert kvlab.reference.unpack_indices(kvlab.reference.pack_indices(idx[:0], bits), bits, 0).shape == (0,)
 
 
 @pytest.mark.parametrize("dim, bits, match", [
@@ -515,7 +515,7 @@ def test_pack_unpack_round_trip_at_the_edges(bits):
 ])
 def test_packed_bytes_sizes(dim, bits, match):
     with pytest.raises(ValueError, match=match):
-        kvlab.packed_bytes(dim, bits)
+        kvlab.layout.packed_bytes(dim, bits)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -578,11 +578,11 @@ def test_affine_groups_decoding_to_zeros_are_errors_reference_and_kernel_alike(a
 
 
 def test_mixed_affine_groups_decoding_to_zeros_are_errors():
-    layout = kvlab.MixedAffineLayout([4, 8], DIM, 32)
+    layout = kvlab.affine.MixedAffineLayout([4, 8], DIM, 32)
     x = torch.randn(3, 2, DIM).to(DEVICE)
     x[1, 1, 32:] = 1e-9
     with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
-        kvlab.pack_affine_mixed(x, layout)
+        kvlab.affine.pack_affine_mixed(x, layout)
 
 
 def test_store_mse_tiny_vectors_are_an_error_and_the_cache_is_unchanged():
@@ -667,12 +667,12 @@ def test_centered_cache_read_with_its_statistics_is_correct():
 
 def test_stats_fingerprint_sees_one_changed_number():
     mean, scale, rope = _stats(0, rope=True)
-    base = kvlab.centered_reference.stats_fingerprint(mean, scale, rope)
+    base = kvlab.centered.reference.stats_fingerprint(mean, scale, rope)
     bumped = mean.clone()
     bumped[1, 7] = torch.nextafter(bumped[1, 7], torch.tensor(math.inf))
-    assert kvlab.centered_reference.stats_fingerprint(bumped, scale, rope) != base
-    assert kvlab.centered_reference.stats_fingerprint(mean, scale, None) != base
-    assert kvlab.centered_reference.stats_fingerprint(mean.clone(), scale.clone(), rope) == base
+    assert kvlab.centered.reference.stats_fingerprint(bumped, scale, rope) != base
+    assert kvlab.centered.reference.stats_fingerprint(mean, scale, None) != base
+    assert kvlab.centered.reference.stats_fingerprint(mean.clone(), scale.clone(), rope) == base
 
 
 # ----------------------------------------------------------------------------- the cache's 16-bit parts at both ends
@@ -739,7 +739,7 @@ def test_bf16_inputs_below_fp16s_range_are_refused():
 
 
 def simulated(layers=1, key=None, value=None, **options):
-    from kvlab.simulated import SimulatedCache, mse_part
+    from kvlab.study.simulated import SimulatedCache, mse_part
 
     return SimulatedCache([(key or mse_part(DIM, 4), value or mse_part(DIM, 3)) for _ in range(layers)], **options)
 
@@ -791,7 +791,7 @@ def test_simulated_cache_layer_index(layer_idx, error):
 ])
 @pytest.mark.parametrize("end", ["high", "low", "nan"])
 def test_simulated_cache_fp16_parts_refuse_both_ends(where, options, key, end):
-    from kvlab.simulated import fp16_part
+    from kvlab.study.simulated import fp16_part
 
     cache = simulated(key=fp16_part() if key else None, **options)
     cache.update(*states(2), 0)
@@ -818,7 +818,7 @@ def test_simulated_cache_failed_update_is_atomic_and_the_cache_goes_on(part):
 
 
 def test_simulated_cache_part_of_another_shape_and_bad_parts():
-    from kvlab.simulated import Part, SimulatedCache, mse_part
+    from kvlab.study.simulated import Part, SimulatedCache, mse_part
 
     cache = simulated(key=Part(lambda x, pos: x[..., :8], 4.0, "truncating"))
     sim_fails_unchanged(cache, lambda: cache.update(*states(2), 0), ValueError,
@@ -963,7 +963,7 @@ def test_perplexity_bad_inputs_are_named(tiny_model, ids, options, error, match)
 
 
 def test_perplexity_with_a_simulated_cache_of_too_few_layers_names_layer_idx(tiny_model):
-    from kvlab.simulated import SimulatedCache, mse_part
+    from kvlab.study.simulated import SimulatedCache, mse_part
 
     with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 1\)"):
         kvlab.perplexity(tiny_model, torch.ones(40, dtype=torch.long), window=16, stride=8,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlab.cache import KVCache, KVFormat
+from kvlab.hf.cache import KVCache, KVFormat
 from kvlab.layout import MSESlot
 from kvlab.reference import AffineCodec, MSECodec, read_slots
 

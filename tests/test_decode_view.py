@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import kvlab.model as M
-from kvlab.cache import KVCache, KVFormat
-from kvlab.decode_view import NEVER, quantized_from
-from kvlab.simulated import Part, SimulatedCache, mse_part
+import kvlab.hf.model as M
+from kvlab.hf.cache import KVCache, KVFormat
+from kvlab.hf.decode_view import NEVER, quantized_from
+from kvlab.study.simulated import Part, SimulatedCache, mse_part
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

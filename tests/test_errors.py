@@ -38,13 +38,13 @@ CASES = [
     ("affine tokens vs group", lambda: kvlab.AffineCodec(4, 32, "channel").encode(torch.ones(40, 64)), ValueError, "token dimension"),
     ("affine range overflows fp16", lambda: kvlab.AffineCodec(4, 32).encode(torch.tensor([[-7e4] + [7e4] * 31])), ValueError, "overflows fp16"),
     ("affine NaN", lambda: kvlab.AffineCodec(4, 32).encode(torch.full((1, 32), float("nan"))), ValueError, "NaN"),
-    ("cache wrong dtype", lambda: kvlab.write_slots(_cache().float(), torch.arange(3), _codes(), _codes(), LAYOUT), TypeError, "cache"),
-    ("cache wrong slot bytes", lambda: kvlab.write_slots(_cache()[..., :-1], torch.arange(3), _codes(), _codes(), LAYOUT), ValueError, "cache must have shape"),
-    ("slot out of range", lambda: kvlab.write_slots(_cache(), torch.tensor([0, 1, 8]), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping values"),
-    ("slot below -1", lambda: kvlab.write_slots(_cache(), torch.tensor([0, 1, -2]), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping values"),
-    ("slot_mapping float", lambda: kvlab.write_slots(_cache(), torch.zeros(3), _codes(), _codes(), LAYOUT), TypeError, "slot_mapping"),
-    ("slot_mapping length", lambda: kvlab.write_slots(_cache(), torch.arange(2), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping must have shape"),
-    ("codes heads mismatch", lambda: kvlab.write_slots(_cache(), torch.arange(3), _codes(heads=3), _codes(heads=3), LAYOUT), ValueError, "key_codes"),
+    ("cache wrong dtype", lambda: kvlab.reference.write_slots(_cache().float(), torch.arange(3), _codes(), _codes(), LAYOUT), TypeError, "cache"),
+    ("cache wrong slot bytes", lambda: kvlab.reference.write_slots(_cache()[..., :-1], torch.arange(3), _codes(), _codes(), LAYOUT), ValueError, "cache must have shape"),
+    ("slot out of range", lambda: kvlab.reference.write_slots(_cache(), torch.tensor([0, 1, 8]), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping values"),
+    ("slot below -1", lambda: kvlab.reference.write_slots(_cache(), torch.tensor([0, 1, -2]), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping values"),
+    ("slot_mapping float", lambda: kvlab.reference.write_slots(_cache(), torch.zeros(3), _codes(), _codes(), LAYOUT), TypeError, "slot_mapping"),
+    ("slot_mapping length", lambda: kvlab.reference.write_slots(_cache(), torch.arange(2), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping must have shape"),
+    ("codes heads mismatch", lambda: kvlab.reference.write_slots(_cache(), torch.arange(3), _codes(heads=3), _codes(heads=3), LAYOUT), ValueError, "key_codes"),
 ]
 
 

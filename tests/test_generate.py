@@ -1,4 +1,4 @@
-"""Generation through the fused decode (kvlab.generation) against the materialising path (kvlab.KVCache)."""
+"""Generation through the fused decode (kvlab.hf.generation) against the materialising path (kvlab.KVCache)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlab
 from kvlab import KVCache, KVFormat
-from kvlab.generation import PagedKVCache, fused_support, generate
+from kvlab.hf.generation import PagedKVCache, fused_support, generate
 
 VOCAB = 256
 
@@ -173,7 +173,7 @@ def test_bad_inputs_leave_the_cache_as_it_was():
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="read by kvlab's attention only"):
         model(ids, cache=PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=12))
-    kvlab.generation._HANDOFF.layer = None
+    kvlab.hf.generation._HANDOFF.layer = None
 
 
 def test_bad_arguments():
@@ -221,7 +221,7 @@ def test_a_dropped_cache_frees_its_codes():
 
 
 def test_replay_reads_the_same_codes_both_ways():
-    from kvlab.generation import replay_logits
+    from kvlab.hf.generation import replay_logits
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU: Triton's interpreter
     model = tiny_model(4, 2, 64, layers=1, dtype=torch.float16 if device == "cuda" else torch.float32).to(device)
@@ -243,7 +243,8 @@ def test_replay_reads_the_same_codes_both_ways():
 def test_decode_step_equals_the_functions(fmt):
     """A layer's decode step (stores and attention prepared once, then replayed) writes the bytes of
     store_mse / store_affine_slots and returns decode_attention's output, step after step."""
-    from kvlab.decode import decode_attention, store_affine_slots
+    from kvlab.affine import store_affine_slots
+    from kvlab.attention import decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU: Triton's interpreter
     batch, kv_heads, group, dim = 3, 2, 3, 64
@@ -309,7 +310,7 @@ def test_update_names_bad_states():
 
 
 def test_checked_attention_names_a_nonfinite_query():
-    from kvlab.decode import decode_attention, prefill_attention
+    from kvlab.attention import decode_attention, prefill_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = tiny_model(4, 2, 64).config

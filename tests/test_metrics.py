@@ -1,4 +1,4 @@
-"""Codec error metrics and synthetic vectors (kvlab.metrics)."""
+"""Codec error metrics and synthetic vectors (kvlab.study.metrics)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvlab
-from kvlab import metrics as M
+from kvlab.study import metrics as M
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,7 +104,7 @@ def test_attention_error():
         kvlab.MSECodec(64, 3, rotation="hadamard"),
         kvlab.AffineCodec(4, 32, "token"),
         kvlab.AffineCodec(2, 32, "channel"),
-        kvlab.QJLCodec(64, 3),
+        kvlab.study.qjl.QJLCodec(64, 3),
     ],
     ids=repr,
 )

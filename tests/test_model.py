@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-import kvlab.model as M
-from kvlab.cache import KVCache, KVFormat
+import kvlab.hf.model as M
+from kvlab.hf.cache import KVCache, KVFormat
 
 
 # Short inputs: every forward pass is small, and a second thread only waits (conftest's one_thread).
@@ -128,7 +128,7 @@ def test_decode_view_equals_token_by_token_decoding(smol, text_ids):
     (within the fp16 roundings of the window's tokens); the view of each call after its write does not.
     (With a 3-bit codec a float difference flips codes: on this text a cache without any window moves by
     5e-3 of its NLL between chunk=24 and chunk=1, so the codecs' equality is tested on a tiny model.)"""
-    from kvlab.simulated import Part, SimulatedCache
+    from kvlab.study.simulated import Part, SimulatedCache
 
     model, _ = smol
     kw = dict(window=48, stride=24, max_windows=1)

@@ -1,4 +1,4 @@
-"""The QJL inner-product codec (kvlab.qjl): layout, bits, and unbiasedness over the random draws."""
+"""The QJL inner-product codec (kvlab.study.qjl): layout, bits, and unbiasedness over the random draws."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvlab
-from kvlab.qjl import QJLCodec, pack_signs, unpack_signs
+from kvlab.study.qjl import QJLCodec, pack_signs, unpack_signs
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

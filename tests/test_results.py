@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.fingerprint import codec_fingerprint, transform_fingerprint
+from kvlab.study.fingerprint import codec_fingerprint, transform_fingerprint
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 # results a page compares its live measurements with: they must carry the fingerprint of the codecs they used

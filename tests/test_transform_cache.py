@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlab import RoPE
-from kvlab.cache import KVCache, KVFormat
+from kvlab.hf.cache import KVCache, KVFormat
 from kvlab.transform import TransformCodec, TransformKV
 from kvlab.transform import reference as R
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-import kvlab.model as M
-from kvlab.simulated import SimulatedCache, rope_tables, transform_part
+import kvlab.hf.model as M
+from kvlab.study.simulated import SimulatedCache, rope_tables, transform_part
 from kvlab.transform import TransformKV
 from kvlab.transform import calibration as CAL
 from kvlab.transform import reference as R
@@ -128,7 +128,7 @@ def test_a_gain_beyond_fp16_is_an_error(tiny):
 def test_kvcache_transform_equals_the_simulated_cache(tiny, keys):
     """KVCache(KVFormat("transform")) holds the codes the simulated cache decodes: the same perplexity; the Triton
     kernels write the same bytes as the reference; nbytes counts rows, sink and window exactly."""
-    from kvlab.cache import KVCache, KVFormat
+    from kvlab.hf.cache import KVCache, KVFormat
 
     model, ids, data = tiny
     kv = CAL.calibrate(model, ids[:384], bits=3.0, keys=keys, window=128, captured=data, sink=1, residual=4,
@@ -156,7 +156,7 @@ def test_kvcache_transform_equals_the_simulated_cache(tiny, keys):
 
 
 def test_kvcache_transform_needs_its_codecs(tiny):
-    from kvlab.cache import KVCache, KVFormat
+    from kvlab.hf.cache import KVCache, KVFormat
 
     model, ids, data = tiny
     with pytest.raises(ValueError, match="needs the calibrated codecs"):

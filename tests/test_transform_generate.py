@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvlab import KVCache, KVFormat, RoPE
-from kvlab.generation import PagedKVCache, fused_support, generate
+from kvlab.hf.generation import PagedKVCache, fused_support, generate
 from kvlab.transform import TransformCodec, TransformKV
 
 VOCAB = 128

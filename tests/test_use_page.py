@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvlab
-import kvlab.model as M
+import kvlab.hf.model as M
 
 PAGE = Path(__file__).resolve().parent.parent / "book" / "use.md"
 

