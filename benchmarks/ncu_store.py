@@ -61,7 +61,7 @@ def run() -> None:
 def summarise(path: str, out: str, run_from: str | None = None) -> None:
     """ncu's ``--csv --page details`` output (or its gzip) -> the kept metrics of each store launch."""
     # the Triton kernel (store_mse_kernel) or, on a CUDA GPU by default, the Gluon kernel of kvlab.mse.gluon_store (store_kernel)
-    launches = [m for m in read_launches(path, METRICS).values() if m["kernel"] in ("store_mse_kernel", "store_kernel")]
+    launches = [m for m in read_launches(path, METRICS).values() if m["kernel"].lstrip("_") in ("store_mse_kernel", "store_kernel")]
     if len(launches) != 2:
         raise SystemExit(f"expected the two launches of one store (keys, values), found {len(launches)}")
     shape = f"{VECTORS >> 20}M vectors of dim {DIM} in {HEADS} heads, fp16, {BITS}-bit keys and values, Hadamard rotation"

@@ -1,9 +1,10 @@
 """The MSE codec in the paged cache: rotated Lloyd-Max codes of keys and values.
 
-``api``: ``store_mse`` / ``load_mse`` (checks, then the kernel the support matrix picks); ``reference``: the
-pure-torch codec and slot writer, the oracle; ``triton``: the Triton kernels (every device, and the CPU
-through Triton's interpreter); ``gluon_store`` / ``gluon_load``: the Gluon kernels of the Hadamard store and
-the model-space load on CUDA GPUs. Tests: ``tests/ops/test_mse.py``.
+``api``: ``store_mse`` / ``load_mse`` (checks, then the kernel the support matrix picks); ``triton_store`` /
+``triton_load``: the Triton kernels (every device, and the CPU through Triton's interpreter); ``gluon_store`` /
+``gluon_load``: the Gluon kernels of the Hadamard store and the model-space load on CUDA GPUs. The oracle is
+``kvlab.reference`` (``MSECodec``, ``write_slots`` / ``read_slots``), which none of these import. Tests:
+``tests/ops/test_mse.py``.
 """
 
 from .api import load_mse, store_mse, unpack_values_model_space, unpack_values_rotated
