@@ -97,13 +97,13 @@ def test_a_gain_beyond_fp16_leaves_the_cache_as_it_was(device):
     layer = cache.layers[0]
     before = (layer.mse.k_cache.clone(), layer.mse.v_cache.clone(), [list(t) for t in layer.mse.block_table],
               layer.nbytes(), layer.length)
-    k2, v2 = (x.to(device) for x in _kv(5, 1))
-    v2[1, 2, 3] = 1e9  # fits in fp32 (the cache's dtype), not as a gain
+    k_more, v_more = (x.to(device) for x in _kv(5, 1))
+    v_more[1, 2, 3] = 1e9  # fits in fp32 (the cache's dtype), not as a gain
     with pytest.raises(ValueError, match="value_states has a group whose gain"):
-        cache.update(k2, v2, 0)
+        cache.update(k_more, v_more, 0)
     after = (layer.mse.k_cache, layer.mse.v_cache, layer.mse.block_table, layer.nbytes(), layer.length)
     assert all(torch.equal(a, b) for a, b in zip(before[:2], after[:2])) and before[2:] == after[2:]
-    out = cache.update(k2[:, :, :1], v2[:, :, :1], 0)  # the cache still works
+    out = cache.update(k_more[:, :, :1], v_more[:, :, :1], 0)  # the cache still works
     assert out[0].shape == (B, H, 7, D)
 
 

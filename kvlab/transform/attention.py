@@ -6,21 +6,28 @@ What
     ``block_table``. The oracle is ``kvlab.transform.reference.decode_attention``.
 
 How
-    A row holds the codes of a layer's ``H`` heads jointly (``y``, ``W = groups * dim`` numbers). Each program
-    takes one sequence and one split of its tokens, and for every tile of ``BT`` tokens unpacks ``y`` (per
+    A row holds the codes of a layer's ``H`` heads (``y``, ``W = groups * dim`` numbers). Each program takes one
+    sequence, one KV head ``h`` with its group of query heads, and one split of the sequence's tokens. Head ``h``
+    reads only the components its keys and values depend on: those of its own groups (a transform per head or
+    per several heads) or all ``W`` (one joint transform). For every tile of ``BT`` tokens it unpacks them (per
     component: two bytes, a shift, a mask, a centroid, the group's gain).
 
     * Keys coded after RoPE: the score needs no decoded key. ``q . k = q . (mean + y inverse) = (q inverse^T) . y
-      + q . mean``: the launcher turns each query into the transformed space once (``qt [Hq, W]``), the kernel
-      scores ``qt . y``.
-    * Keys coded before RoPE: per head ``h`` the kernel decodes ``k_h = y inverse[:, h] + mean_h`` (one matrix
-      product per tile), applies RoPE at the tokens' positions (with the product by the rotate-half
-      permuted columns), and scores the group's queries.
+      + q . mean``: the launcher turns each query into the transformed space once (``qt``), the kernel scores
+      ``qt . y``.
+    * Keys coded before RoPE: the kernel decodes ``k_h = y inverse[:, h] + mean_h`` (one matrix product per
+      tile), applies RoPE at the tokens' positions (with the product by the rotate-half permuted columns), and
+      scores the group's queries.
     * Values are never decoded per token: ``o' = sum_t p_t y_t`` accumulates in the transformed space, and the
-      launcher maps ``o'`` back once (``o = o' inverse + mean``, the softmax weights summing to one).
+      launcher maps ``o'`` back once (``o = o' inverse[:, h] + mean_h``, the softmax weights summing to one).
 
     Splits of the context run in parallel and are combined with their log-sum-exp. Matrix products take fp16
     operands (the gains are fp16 numbers; the decoded values are within fp16's range) and accumulate in fp32.
+    Compiled for sm_90 (tiles of 16 tokens, 8 warps, one stage), a program of SmolLM2's layer (3 heads of 64, one
+    joint transform) or of a Llama-3-8B layer (8 heads of 128, a transform per head) needs 12 to 84 KB of shared
+    memory, keys before or after RoPE (one program for all heads needed 156 KB to 1.2 MB, past the H200's 227 KB).
+    Registers still spill (up to 712 bytes of stack a thread at SmolLM2's shape): the unpack's gathers are wide. A
+    joint transform of 1024 components with keys before RoPE needs 594 KB and does not launch.
 """
 
 from __future__ import annotations
@@ -36,7 +43,6 @@ __all__ = ["decode_attention"]
 
 BLOCK_TOKENS = 32
 MIN_DOT = 16
-MAX_WIDTH = 256  # numbers per token: one tile of the row fits the shared memory of an H200
 
 
 def _unpack_tables(codec: TransformCodec, width: int, device) -> dict:
@@ -61,24 +67,8 @@ def _unpack_tables(codec: TransformCodec, width: int, device) -> dict:
     t = {name: v.to(device) for name, v in (("byte", byte), ("shift", shift), ("mask", mask), ("gain", gain),
                                             ("book", book))}
     t["books"] = codec.codebooks.reshape(-1).to(device, torch.float32).contiguous()
-    t["inverse"] = torch.block_diag(*codec.inverse).to(device, torch.float32)  # [W, W]: y -> x, every head
-    t["mean"] = codec.mean.reshape(-1).to(device, torch.float32)
     cache[key] = t
     return t
-
-
-def _rope_columns(kt: dict, width: int, heads: int, dim: int, wp: int, device):
-    """Once per codec: each head's columns of the inverse transform [H, WP, D] (fp16), the same with RoPE's
-    rotate-half applied, and the mean per head with and without it."""
-    if "rope_columns" not in kt:
-        cols = kt["inverse"].view(width, heads, dim).permute(1, 0, 2)  # [H, W, D]
-        rot = lambda x: torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), -1)
-        inv_h = torch.zeros(heads, wp, dim, device=device, dtype=torch.float16)
-        invr_h = torch.zeros_like(inv_h)
-        inv_h[:, :width], invr_h[:, :width] = cols.half(), rot(cols).half()
-        mean_h = kt["mean"].view(heads, dim).contiguous()
-        kt["rope_columns"] = (inv_h, invr_h, mean_h, rot(mean_h).contiguous())
-    return kt["rope_columns"]
 
 
 _ROPE_TABLES: dict = {}
@@ -123,83 +113,105 @@ def _unpack_tile(cache_ptr, b_slot, m_t, ROW, byte_ptr, shift_ptr, mask_ptr, gai
 def _transform_decode_kernel(
     # caches and tables
     kc_ptr, vc_ptr, table_ptr, lens_ptr,
-    kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr, kbooks_ptr,
+    kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr, kbooks_ptr,  # [W] int32 per key component; centroids
     vbyte_ptr, vshift_ptr, vmask_ptr, vgain_ptr, vbook_ptr, vbooks_ptr,
-    # queries: after RoPE, qt [B, HQP, WP] and qm [B, HQP] (scaled); before RoPE, qpad [B, H, HQP, D] fp16
-    qt_ptr, qm_ptr, qpad_ptr,
-    # keys before RoPE: inverse columns per head [H, WP, D] fp16 (and rotate-half permuted), mean [H, D] (and permuted)
-    inv_ptr, invr_ptr, mean_ptr, meanr_ptr, cos_ptr, sin_ptr,
-    # outputs per split: acc [B, S, HQP, WP], row max and sum [B, S, HQP]
+    klo_ptr, vlo_ptr,  # [H] int32: the first key / value component each KV head depends on
+    # queries: after RoPE, qt [B, H, GP, KWP] fp16 and qm [B, H, GP] (scaled); before RoPE, q [B, H, GP, D] fp16
+    qt_ptr, qm_ptr, q_ptr,
+    # keys before RoPE: inverse rows per head [H, KWP, D] fp16 (and rotate-half permuted), mean [H, D] (and permuted)
+    inv_ptr, invr_ptr, mean_ptr, meanr_ptr, cos_ptr, sin_ptr,  # cos, sin [max_len, D] float32
+    # outputs per split: acc [B, S, H, GP, VWP], row max and sum [B, S, H, GP]
     acc_ptr, m_ptr, l_ptr,
     # sizes
-    KROW, VROW, MAX_BLOCKS, NSPLIT, SPLIT, W, scale,
+    KROW, VROW, MAX_BLOCKS, NSPLIT, SPLIT, scale,
     # settings
-    H: tl.constexpr, D: tl.constexpr, HQP: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, PAGE: tl.constexpr,
-    PRE_ROPE: tl.constexpr, KGAIN: tl.constexpr, VGAIN: tl.constexpr, STEPS: tl.constexpr, PER_HEAD: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, VW: tl.constexpr,
+    VWP: tl.constexpr, BT: tl.constexpr, PAGE: tl.constexpr, PRE_ROPE: tl.constexpr, KGAIN: tl.constexpr,
+    VGAIN: tl.constexpr, STEPS: tl.constexpr,
 ):
-    i_b, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    o_w = tl.arange(0, WP)
-    m_w = o_w < W
-    o_q = tl.arange(0, HQP)
-    o_d = tl.arange(0, D)
+    i_b, i_h, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    o_g = tl.arange(0, GP)  # [GP]: the query heads of KV head h (padded)
+    o_d = tl.arange(0, D)  # [D]
+    o_kw = tl.arange(0, KWP)  # [KWP]: the key components head h depends on
+    o_vw = tl.arange(0, VWP)  # [VWP]: the value components
+    b_kc = tl.load(klo_ptr + i_h) + o_kw  # component indices in the key row
+    b_vc = tl.load(vlo_ptr + i_h) + o_vw
+    m_kw, m_vw = o_kw < KW, o_vw < VW
     n = tl.load(lens_ptr + i_b)
     start = i_s * SPLIT
     stop = tl.minimum(start + SPLIT, n)
-    b_m = tl.full([HQP], float("-inf"), tl.float32)
-    b_l = tl.zeros([HQP], tl.float32)
-    b_acc = tl.zeros([HQP, WP], tl.float32)
-    if not PRE_ROPE:
-        b_qt = tl.load(qt_ptr + (i_b * HQP + o_q[:, None]) * WP + o_w[None, :]).to(tl.float16)  # [HQP, WP]
-        b_qm = tl.load(qm_ptr + i_b * HQP + o_q)  # [HQP]
-    for it in range(0, STEPS):  # a constant trip count (the interpreter needs one): tiles past `stop` are masked
-        t0 = start + it * BT
-        o_t = t0 + tl.arange(0, BT)
+    i_bh = i_b * H + i_h
+    b_m = tl.full([GP], float("-inf"), tl.float32)
+    b_l = tl.zeros([GP], tl.float32)
+    b_acc = tl.zeros([GP, VWP], tl.float32)
+    if PRE_ROPE:
+        b_q = tl.load(q_ptr + (i_bh * GP + o_g[:, None]) * D + o_d[None, :])  # [GP, D] fp16
+        p_inv = inv_ptr + (i_h * KWP + o_kw[:, None]) * D + o_d[None, :]  # [KWP, D]: read per tile (cached), not held
+        p_invr = invr_ptr + (i_h * KWP + o_kw[:, None]) * D + o_d[None, :]
+        b_mean = tl.load(mean_ptr + i_h * D + o_d)[None, :]  # [1, D]
+        b_meanr = tl.load(meanr_ptr + i_h * D + o_d)[None, :]
+    else:
+        b_qt = tl.load(qt_ptr + (i_bh * GP + o_g[:, None]) * KWP + o_kw[None, :])  # [GP, KWP] fp16
+        b_qm = tl.load(qm_ptr + i_bh * GP + o_g)  # [GP]
+    for it in range(0, STEPS):  # a constant trip count: tiles past `stop` are masked
+        o_t = start + it * BT + tl.arange(0, BT)  # [BT]
         m_t = o_t < stop
         b_blk = tl.load(table_ptr + i_b * MAX_BLOCKS + o_t // PAGE, mask=m_t, other=0).to(tl.int64)
         b_slot = b_blk * PAGE + o_t % PAGE
+        b_yk = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr,
+                            kbooks_ptr, b_kc, m_kw, KGAIN).to(tl.float16)  # [BT, KWP]
         if PRE_ROPE:
             b_cos = tl.load(cos_ptr + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None], other=0.0)  # [BT, D]
             b_sin = tl.load(sin_ptr + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None], other=0.0)
-            b_s = tl.zeros([HQP, BT], tl.float32)
-            if not PER_HEAD:
-                b_yk = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr,
-                                    kbooks_ptr, o_w, m_w, KGAIN).to(tl.float16)  # [BT, WP]
-            for h in tl.static_range(H):
-                if PER_HEAD:  # a transform per head: only the head's own components decode its keys
-                    o_wh = h * D + o_d
-                    b_yh = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr,
-                                        kbook_ptr, kbooks_ptr, o_wh, o_wh < W, KGAIN).to(tl.float16)  # [BT, D]
-                    b_inv = tl.load(inv_ptr + (h * WP + o_wh[:, None]) * D + o_d[None, :])  # [D, D] fp16
-                    b_invr = tl.load(invr_ptr + (h * WP + o_wh[:, None]) * D + o_d[None, :])
-                    b_k = tl.dot(b_yh, b_inv) + tl.load(mean_ptr + h * D + o_d)[None, :]  # [BT, D]
-                    b_kr = tl.dot(b_yh, b_invr) + tl.load(meanr_ptr + h * D + o_d)[None, :]
-                else:
-                    b_inv = tl.load(inv_ptr + (h * WP + o_w[:, None]) * D + o_d[None, :])  # [WP, D] fp16
-                    b_invr = tl.load(invr_ptr + (h * WP + o_w[:, None]) * D + o_d[None, :])
-                    b_k = tl.dot(b_yk, b_inv) + tl.load(mean_ptr + h * D + o_d)[None, :]  # [BT, D]
-                    b_kr = tl.dot(b_yk, b_invr) + tl.load(meanr_ptr + h * D + o_d)[None, :]
-                b_k = b_k * b_cos + b_kr * b_sin  # RoPE at the tokens' positions
-                b_q = tl.load(qpad_ptr + ((i_b * H + h) * HQP + o_q[:, None]) * D + o_d[None, :])  # [HQP, D] fp16
-                b_s += tl.dot(b_q, tl.trans(b_k.to(tl.float16)))
-            b_s = b_s * scale
+            b_k = tl.dot(b_yk, tl.load(p_inv)) + b_mean  # [BT, D]: the decoded keys of head h
+            b_kr = tl.dot(b_yk, tl.load(p_invr)) + b_meanr  # their rotate-half
+            b_k = b_k * b_cos + b_kr * b_sin  # RoPE at the tokens' positions
+            b_s = tl.dot(b_q, tl.trans(b_k.to(tl.float16))) * scale  # [GP, BT]
         else:
-            b_yk = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr,
-                                kbooks_ptr, o_w, m_w, KGAIN).to(tl.float16)  # [BT, WP]
-            b_s = tl.dot(b_qt, tl.trans(b_yk)) + b_qm[:, None]  # [HQP, BT], scale folded in
+            b_s = tl.dot(b_qt, tl.trans(b_yk)) + b_qm[:, None]  # [GP, BT], scale folded in
         b_s = tl.where(m_t[None, :], b_s, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_s, 1))
         b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # a tile with no token yet: nothing to weigh
         b_p = tl.exp(b_s - b_ref[:, None])
         b_alpha = tl.exp(b_m - b_ref)
         b_yv = _unpack_tile(vc_ptr, b_slot, m_t, VROW, vbyte_ptr, vshift_ptr, vmask_ptr, vgain_ptr, vbook_ptr,
-                            vbooks_ptr, o_w, m_w, VGAIN).to(tl.float16)
+                            vbooks_ptr, b_vc, m_vw, VGAIN).to(tl.float16)  # [BT, VWP]
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(tl.float16), b_yv)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_m = b_mn
-    o_out = (i_b * NSPLIT + i_s) * HQP + o_q
-    tl.store(acc_ptr + o_out[:, None] * WP + o_w[None, :], b_acc)
+    o_out = ((i_b * NSPLIT + i_s) * H + i_h) * GP + o_g  # [GP]
+    tl.store(acc_ptr + o_out[:, None] * VWP + o_vw[None, :], b_acc)
     tl.store(m_ptr + o_out, b_m)
     tl.store(l_ptr + o_out, b_l)
+
+
+def _head_span(codec: TransformCodec, heads: int, dim: int) -> tuple[int, torch.Tensor]:
+    """``(width, first)``: the components head ``h`` depends on are ``first[h] + [0, width)`` of the row: its
+    groups' when groups hold whole heads or heads whole groups, else all of them."""
+    if codec.dim % dim == 0:  # a group holds one or more whole heads
+        return codec.dim, torch.tensor([h * dim // codec.dim * codec.dim for h in range(heads)], dtype=torch.int32)
+    if dim % codec.dim == 0:  # a head holds whole groups
+        return dim, torch.tensor([h * dim for h in range(heads)], dtype=torch.int32)
+    return codec.groups * codec.dim, torch.zeros(heads, dtype=torch.int32)
+
+
+def _head_tables(codec: TransformCodec, heads: int, dim: int, device) -> dict:
+    """Per KV head: its span of components, the inverse's rows of that span and columns of the head, its mean."""
+    cache = codec.__dict__.setdefault("_head_tables", {})
+    key = (str(device), heads, dim)
+    if key in cache:
+        return cache[key]
+    width, first = _head_span(codec, heads, dim)
+    padded = max(MIN_DOT, triton.next_power_of_2(width))
+    full = torch.block_diag(*codec.inverse.float().cpu())  # [W, W]: y -> x, every head
+    inv = torch.zeros(heads, padded, dim)  # [H, WP, D]
+    for h in range(heads):
+        lo = int(first[h])
+        inv[h, :width] = full[lo : lo + width, h * dim : (h + 1) * dim]
+    mean = codec.mean.float().cpu().reshape(heads, dim)
+    t = {"width": width, "padded": padded, "first": first.to(device), "inverse": inv.to(device), "mean": mean.to(device)}
+    cache[key] = t
+    return t
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -224,9 +236,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"the codecs code {width} and {value_codec.groups * value_codec.dim} numbers per token; "
                          f"both must be KV heads x head_dim ({dim})")
     heads = width // dim
-    if width > MAX_WIDTH:
-        raise ValueError(f"the codecs code {width} numbers per token (KV heads x head_dim); this kernel keeps a token's "
-                         f"transformed row in one tile and reads rows of at most {MAX_WIDTH} (SmolLM2: 3 x 64 = 192)")
     if q_heads % heads:
         raise ValueError(f"q has {q_heads} heads, not a multiple of the cache's {heads} KV heads")
     C.check_tensor("k_cache", k_cache, (torch.uint8,), last_dim=key_codec.row_bytes)
@@ -272,48 +281,47 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             raise ValueError(f"block_table's entries for the first seq_lens tokens must be blocks in "
                              f"[0, {k_cache.shape[0]}), got values from {int(entries.min())} to {int(entries.max())}")
     group = q_heads // heads
-    hqp = max(MIN_DOT, triton.next_power_of_2(q_heads))
-    wp = max(MIN_DOT, triton.next_power_of_2(width))
-    kt, vt = _unpack_tables(key_codec, wp, device), _unpack_tables(value_codec, wp, device)
+    gp = max(MIN_DOT, triton.next_power_of_2(group))
+    kt, vt = _unpack_tables(key_codec, width, device), _unpack_tables(value_codec, width, device)
+    kh, vh = _head_tables(key_codec, heads, dim, device), _head_tables(value_codec, heads, dim, device)
+    kwp, vwp = kh["padded"], vh["padded"]
     max_len = block_table.shape[1] * page
+    block = BLOCK_TOKENS if max(kwp, vwp) < 128 else MIN_DOT  # smaller tiles of wide rows
     if splits is None:
-        splits = max(1, min(C.cdiv(max_len, 256), C.cdiv(264, batch)))  # ~2 programs per SM of an H200
-    bt = BLOCK_TOKENS if wp < 256 else MIN_DOT  # smaller tiles for wide rows (shared memory)
-    split_len = C.cdiv(C.cdiv(max_len, splits), bt) * bt
+        splits = max(1, min(C.cdiv(max_len, 256), C.cdiv(264, batch * heads)))  # ~2 programs per SM of an H200
+    split_len = C.cdiv(C.cdiv(max_len, splits), block) * block
     splits = C.cdiv(max_len, split_len)
-    qf = q.float()
-    head_of = torch.arange(q_heads, device=device) // group  # [Hq]
+    qf = q.float().view(batch, heads, group, dim)
     dummy = torch.zeros(1, device=device)
-    if rope is None:  # scores in the transformed space: qt = q inverse_h^T, qm = q . mean_h
-        inv = kt["inverse"].view(width, heads, dim)  # [W, H, D]
-        qt = torch.zeros(batch, hqp, wp, device=device)
-        qt[:, :q_heads, :width] = torch.einsum("bjd,wjd->bjw", qf, inv[:, head_of]) * scale
-        qm = torch.zeros(batch, hqp, device=device)
-        qm[:, :q_heads] = (qf * kt["mean"].view(heads, dim)[head_of]).sum(-1) * scale
-        qpad = inv_h = invr_h = mean_h = meanr_h = cos = sin = dummy
+    if rope is None:  # scores in the transformed space: qt = q inverse_h^T (scaled), qm = q . mean_h
+        qt = torch.zeros(batch, heads, gp, kwp, device=device, dtype=torch.float16)
+        qt[:, :, :group] = (torch.einsum("bhgd,hwd->bhgw", qf, kh["inverse"]) * scale).half()
+        qm = torch.zeros(batch, heads, gp, device=device)
+        qm[:, :, :group] = torch.einsum("bhgd,hd->bhg", qf, kh["mean"]) * scale
+        qh = inv = invr = mean = meanr = cos = sin = dummy
     else:
         qt = qm = dummy
-        qpad = torch.zeros(batch, heads, hqp, dim, device=device, dtype=torch.float16)
-        for h in range(heads):
-            qpad[:, h, h * group : (h + 1) * group] = qf[:, h * group : (h + 1) * group].half()
-        inv_h, invr_h, mean_h, meanr_h = _rope_columns(kt, width, heads, dim, wp, device)
+        qh = torch.zeros(batch, heads, gp, dim, device=device, dtype=torch.float16)
+        qh[:, :, :group] = qf.half()
+        rot = lambda x: torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), -1)  # rotate-half of the head's columns
+        inv, invr = kh["inverse"].half(), rot(kh["inverse"]).half()
+        mean, meanr = kh["mean"], rot(kh["mean"]).contiguous()
         cos, sin = _rope_tables(rope, max_len, first_position, device)
-    acc = torch.empty(batch, splits, hqp, wp, device=device)
-    m = torch.empty(batch, splits, hqp, device=device)
-    lsum = torch.empty(batch, splits, hqp, device=device)
-    _transform_decode_kernel[(batch, splits)](
+    acc = torch.empty(batch, splits, heads, gp, vwp, device=device)
+    m = torch.empty(batch, splits, heads, gp, device=device)
+    lsum = torch.empty(batch, splits, heads, gp, device=device)
+    _transform_decode_kernel[(batch, heads, splits)](
         k_cache, v_cache, block_table.contiguous(), seq_lens.contiguous(),
         kt["byte"], kt["shift"], kt["mask"], kt["gain"], kt["book"], kt["books"],
         vt["byte"], vt["shift"], vt["mask"], vt["gain"], vt["book"], vt["books"],
-        qt, qm, qpad, inv_h, invr_h, mean_h, meanr_h, cos, sin, acc, m, lsum,
-        key_codec.row_bytes, value_codec.row_bytes, block_table.shape[1], splits, split_len, width, float(scale),
-        H=heads, D=dim, HQP=hqp, WP=wp, BT=bt, PAGE=page, PRE_ROPE=rope is not None,
-        KGAIN=key_codec.gain, VGAIN=value_codec.gain, STEPS=split_len // bt,
-        PER_HEAD=key_codec.groups == heads and max(MIN_DOT, dim) == dim, num_warps=8 if wp >= 512 else 4, num_stages=1)
+        kh["first"], vh["first"], qt, qm, qh, inv, invr, mean, meanr, cos, sin, acc, m, lsum,
+        key_codec.row_bytes, value_codec.row_bytes, block_table.shape[1], splits, split_len, float(scale),
+        H=heads, D=dim, GP=gp, KW=kh["width"], KWP=kwp, VW=vh["width"], VWP=vwp, BT=block, PAGE=page,
+        PRE_ROPE=rope is not None, KGAIN=key_codec.gain, VGAIN=value_codec.gain, STEPS=split_len // block,
+        num_warps=8 if max(kwp, vwp) >= 128 else 4, num_stages=1)
     # combine the splits, then map the accumulated transformed values back once
     top = m.amax(1, keepdim=True)
-    w = torch.where(torch.isfinite(m), torch.exp(m - top), torch.zeros_like(m))  # [B, S, HQP]
-    o = (acc * w[..., None]).sum(1) / (lsum * w).sum(1)[..., None]  # [B, HQP, WP]
-    x = o[:, :q_heads, :width] @ vt["inverse"] + vt["mean"]  # [B, Hq, W]: every head's values
-    rows = torch.arange(batch, device=device)[:, None]
-    return x.view(batch, q_heads, heads, dim)[rows, torch.arange(q_heads, device=device)[None], head_of[None]]
+    w = torch.where(torch.isfinite(m), torch.exp(m - top), torch.zeros_like(m))  # [B, S, H, GP]
+    o = (acc * w[..., None]).sum(1) / (lsum * w).sum(1)[..., None]  # [B, H, GP, VWP]
+    x = torch.einsum("bhgw,hwd->bhgd", o[:, :, :group], vh["inverse"]) + vh["mean"][:, None]  # [B, H, G, D]
+    return x.reshape(batch, q_heads, dim)
