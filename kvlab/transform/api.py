@@ -13,11 +13,9 @@ import torch
 
 from .. import _checks as C
 from . import triton as K
-from .codec import TransformCodec
+from .codec import TransformCodec, check_gains
 
 __all__ = ["check_gains", "load", "prepare", "store", "transform", "untransform"]
-
-FP16_MIN_NORMAL = 6.103515625e-05
 
 
 def _on(codec: TransformCodec, device) -> TransformCodec:
@@ -45,26 +43,8 @@ def untransform(codec: TransformCodec, y: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], c.groups * c.dim)
 
 
-def check_gains(codec: TransformCodec, y: torch.Tensor, name: str = "x") -> None:
-    """Every group's gain (the RMS of its transformed values) must be a finite fp16 number, and a nonzero
-    group's gain a normal one (one host sync)."""
-    if not codec.gain:
-        return
-    rms = (y.double().square().sum(-1) / codec.dim).sqrt()
-    if not bool((rms.float().to(torch.float16).isfinite()).all()):
-        raise ValueError(f"{name} has a group whose gain (the RMS of its transformed values, {float(rms.max()):.4g}) "
-                         "exceeds fp16's 65504")
-    if bool(((rms > 0) & (rms.float().to(torch.float16).float() < FP16_MIN_NORMAL)).any()):
-        raise ValueError(f"{name} has a nonzero group whose gain is below fp16's smallest normal number 6.1e-05")
-
-
 def _num_slots(cache, codec) -> int:
-    if not isinstance(codec, TransformCodec):
-        raise TypeError(f"codec must be a kvlab.transform.TransformCodec, got {type(codec).__name__}")
-    C.check_tensor("cache", cache, (torch.uint8,), ndim_min=2, last_dim=codec.row_bytes)
-    if not cache.is_contiguous():
-        raise ValueError("cache must be contiguous")
-    C.check_kernel_device("cache", cache)
+    K.check_cache(cache, codec)
     return cache.numel() // codec.row_bytes
 
 

@@ -79,11 +79,8 @@ def _rope_tables(rope, length: int, first_position: int, device):
     copy to the device on later calls, so that a call can be captured in a CUDA graph)."""
     key = (id(rope), length, first_position, str(device))
     if key not in _ROPE_TABLES:
-        positions = torch.arange(length, dtype=torch.float64) + first_position
-        angle = positions[:, None] * rope.inv_freq.double().cpu()
-        angle = torch.cat([angle, angle], -1)
-        _ROPE_TABLES[key] = (rope, (rope.scaling * angle.cos()).float().to(device),
-                             (rope.scaling * angle.sin()).float().to(device))
+        cos, sin = rope.tables(torch.arange(length) + first_position)  # float64 on the CPU
+        _ROPE_TABLES[key] = (rope, cos.float().to(device), sin.float().to(device))
     return _ROPE_TABLES[key][1:]
 
 

@@ -39,9 +39,10 @@ import torch
 
 from .. import _checks as C
 
-__all__ = ["MAX_BITS", "TransformCodec", "TransformKV"]
+__all__ = ["MAX_BITS", "TransformCodec", "TransformKV", "check_gains"]
 
 MAX_BITS = 8
+FP16_MIN_NORMAL = 6.103515625e-05
 GAIN_BYTES = 2
 
 
@@ -246,3 +247,16 @@ class TransformKV:
         return cls(tuple(TransformCodec.from_state_dict(s, device) for s in state["keys"]),
                    tuple(TransformCodec.from_state_dict(s, device) for s in state["values"]),
                    rope, int(state["sink"]), int(state["residual"]))
+
+
+def check_gains(codec: TransformCodec, y: torch.Tensor, name: str = "x") -> None:
+    """Every group's gain (the RMS of its transformed values) must be a finite fp16 number, and a nonzero
+    group's gain a normal one (one host sync)."""
+    if not codec.gain:
+        return
+    rms = (y.double().square().sum(-1) / codec.dim).sqrt()
+    if not bool((rms.float().to(torch.float16).isfinite()).all()):
+        raise ValueError(f"{name} has a group whose gain (the RMS of its transformed values, {float(rms.max()):.4g}) "
+                         "exceeds fp16's 65504")
+    if bool(((rms > 0) & (rms.float().to(torch.float16).float() < FP16_MIN_NORMAL)).any()):
+        raise ValueError(f"{name} has a nonzero group whose gain is below fp16's smallest normal number 6.1e-05")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .codec import TransformCodec
+from .codec import TransformCodec, check_gains  # noqa: F401  (the store's check, shared with the kernels' api)
 
 __all__ = ["check_gains", "decode", "dequantize", "encode", "pack", "quantize", "read_rows", "transform", "unpack", "untransform",
            "write_rows"]
@@ -114,31 +114,6 @@ def read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, cache.shape[-1])[slots.long()]
 
 
-def check_gains(codec: TransformCodec, y: torch.Tensor, name: str = "x") -> None:
-    """The gains of ``y`` must be finite fp16 numbers, and a nonzero group's gain nonzero (both ends alike)."""
-    if not codec.gain:
-        return
-    rms = (y.double().square().sum(-1) / codec.dim).sqrt()
-    g = rms.to(torch.float16)
-    if not bool(torch.isfinite(g).all()):
-        raise ValueError(f"{name} has a group whose gain (the RMS of its transformed values, {float(rms.max()):.4g}) "
-                         "exceeds fp16's 65504")
-    if bool(((rms > 0) & (g.float() < 6.103515625e-05)).any()):
-        raise ValueError(f"{name} has a nonzero group whose gain is below fp16's smallest normal number 6.1e-05")
-
-
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float = 1.0):
-    """``(cos, sin)`` float32 ``[*positions.shape, 2 * len(inv_freq)]`` (rotate-half convention, computed in fp64)."""
-    angle = positions.double()[..., None] * inv_freq.double().to(positions.device)
-    angle = torch.cat([angle, angle], -1)
-    return (scaling * angle.cos()).float(), (scaling * angle.sin()).float()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, -1)
-    return torch.cat((-b, a), -1)
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, key_codec: TransformCodec, value_codec: TransformCodec, *,
                      scale: float, rope=None, first_position: int = 0) -> torch.Tensor:
@@ -160,8 +135,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         heads = k.shape[-1] // dim
         k, v = k.view(n, heads, dim), v.view(n, heads, dim)
         if rope is not None:
-            cos, sin = rope_tables(rope.inv_freq, t + first_position, rope.scaling)
-            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+            k = rope.apply(k, (t + first_position)[:, None]).to(q.device, torch.float32)
         group = q_heads // heads
         kh, vh = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, Hq, D]
         s = torch.einsum("hd,nhd->hn", q[b].float(), kh) * scale

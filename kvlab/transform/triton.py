@@ -30,7 +30,7 @@ import triton.language as tl
 from .. import _checks as C
 from .codec import TransformCodec
 
-__all__ = ["load_transform", "store_transform"]
+__all__ = ["check_cache", "load_transform", "store_transform"]
 
 BLOCK_TOKENS = 32
 # tokens x lanes of one program: compiled for sm_90 with 4 warps, 2048 keep the store and the load under 170 registers
@@ -86,7 +86,7 @@ def _tables(codec: TransformCodec, device) -> dict:
     return t
 
 
-def _check_cache(cache: torch.Tensor, codec: TransformCodec) -> None:
+def check_cache(cache: torch.Tensor, codec: TransformCodec) -> None:
     if not isinstance(codec, TransformCodec):
         raise TypeError(f"codec must be a kvlab.transform.TransformCodec, got {type(codec).__name__}")
     C.check_tensor("cache", cache, (torch.uint8,), ndim_min=2, last_dim=codec.row_bytes)
@@ -161,7 +161,7 @@ def store_transform(y: torch.Tensor, codec: TransformCodec, cache: torch.Tensor,
     ``cache`` is uint8 ``[..., row_bytes]`` (a paged cache ``[num_blocks, block_size, row_bytes]``), contiguous;
     slot ``-1``: not written. Checks types and shapes without a host sync; ``kvlab.transform.api.store`` also
     checks the values (finite, slots in range, gains within fp16)."""
-    _check_cache(cache, codec)
+    check_cache(cache, codec)
     C.check_tensor("y", y, (torch.float32,))
     if y.dim() != 3 or tuple(y.shape[1:]) != (codec.groups, codec.dim):
         raise ValueError(f"y must be [tokens, groups, dim] = [T, {codec.groups}, {codec.dim}], got {tuple(y.shape)}")
@@ -229,7 +229,7 @@ def load_transform(cache: torch.Tensor, codec: TransformCodec, slots: torch.Tens
 
     Checks types and shapes without a host sync; ``kvlab.transform.api.load`` also checks that the slots are
     rows of the cache."""
-    _check_cache(cache, codec)
+    check_cache(cache, codec)
     C.check_tensor("slots", slots, (torch.int32, torch.int64))
     C.check_same_device(cache=cache, slots=slots)
     flat = slots.reshape(-1).contiguous()
