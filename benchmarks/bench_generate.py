@@ -11,14 +11,17 @@ Rows, at every (batch, context) point of the grid, in one run:
 - ``fp16 StaticCache``: transformers' static cache, SDPA, eager and replayed from a CUDA graph (the
   whole step captured once: the fastest fp16 decode transformers offers without a compiler);
 - kvlab formats (``PagedKVCache``, attention ``"kvlab"``: ``decode_attention`` on the codes), eager
-  and CUDA graph.
+  and CUDA graph;
+- with ``--compiled``: ``fp16 StaticCache compiled`` (``torch.compile`` of the whole forward, Inductor,
+  then the step captured in a CUDA graph) and ``<kvlab format> compiled`` (the decoder layers compiled
+  around kvlab's attention, ``kvlab.generate(..., compile=True)``, then the CUDA graph).
 Where a cache does not fit on the device, the row says so (``status=oom``). ``--capacity`` adds, for
 context 32k, the largest batch that fits in ``--budget-gib`` GiB for each cache (KV bytes per sequence
 and the weights; each kvlab figure checked by one decode step at that batch). Also measured: one
 prefill (batch 1, 4096 tokens), and checks (the fused path's tokens equal the materialising path's;
-graph replay equals eager) on a small random model.
+graph replay equals eager; compiled layers against the graph) on a small random model.
 
-    python benchmarks/bench_generate.py --out results          # -> results/generate.csv, generate.json
+    python benchmarks/bench_generate.py --out results --compiled   # -> results/generate.csv, generate.json
     python benchmarks/bench_generate.py --smoke                # tiny shapes, a quick check of the script
 """
 
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvlab  # noqa: E402
 from kvlab import KVCache, KVFormat  # noqa: E402
-from kvlab.hf.generation import PagedKVCache  # noqa: E402
+from kvlab.hf.generation import PagedKVCache, compiled_layers  # noqa: E402
 
 FORMATS = {
     "kvlab mse k4v4": KVFormat("mse", 4, 4, rotation="hadamard"),
@@ -50,6 +53,7 @@ FORMATS = {
     "kvlab affine k4v4": KVFormat("affine", 4, 4),
 }
 COMPILED = "fp16 StaticCache compiled"
+SUFFIX = " compiled"  # a kvlab row with this suffix: decoder layers compiled (kvlab.hf.generation.compiled_layers)
 GRID = [(1, 4096), (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 32768), (1, 131072)]
 KEYS = ["cache", "mode", "batch", "context", "status", "ms_per_step", "tokens_per_s", "kv_gib", "peak_gib",
         "speedup_vs_fp16", "fp16_baseline"]
@@ -81,7 +85,7 @@ def kv_token_bytes(name: str, cfg) -> float:
     d, h, n = cfg.head_dim, cfg.num_key_value_heads, cfg.num_hidden_layers
     if name.startswith("fp16"):
         return 2 * 2 * d * h * n
-    return 2 * FORMATS[name].bits_per_element(d) / 8 * d * h * n
+    return 2 * FORMATS[name.removesuffix(SUFFIX)].bits_per_element(d) / 8 * d * h * n
 
 
 def fill_paged(cache: PagedKVCache, context: int) -> None:
@@ -121,7 +125,7 @@ def fill_dense(cache, cfg, batch: int, context: int) -> None:
     del k
 
 
-def time_steps(model, cache, batch: int, context: int, steps: int, graph: bool, forward=None):
+def time_steps(model, cache, batch: int, context: int, steps: int, graph: bool, forward=None, warmups: int = 1):
     """Median ms of ``steps`` greedy decode steps after ``context`` cached tokens (CUDA events per step);
     ``forward``: the model's forward to call (default ``model``; e.g. a ``torch.compile`` of it)."""
     forward = model if forward is None else forward
@@ -136,7 +140,7 @@ def time_steps(model, cache, batch: int, context: int, steps: int, graph: bool, 
 
     with torch.no_grad():
         step()  # warm-up: compiles kernels, builds device tables
-        if forward is not model:  # a compiled forward: a second warm-up (its first calls may recompile)
+        if forward is not model or warmups > 1:  # compiled code: a second warm-up (its first calls may recompile)
             step()
         torch.cuda.synchronize()
         times = []
@@ -178,7 +182,7 @@ def make_cache(name: str, model, batch: int, context: int, steps: int):
         fill_dense(cache, cfg, batch, context)
     else:
         model.set_attn_implementation("kvlab")
-        cache = PagedKVCache(FORMATS[name], config=cfg, batch_size=batch, max_length=context + steps + 4, device="cuda")
+        cache = PagedKVCache(FORMATS[name.removesuffix(SUFFIX)], config=cfg, batch_size=batch, max_length=context + steps + 4, device="cuda")
         fill_paged(cache, context)
     return cache
 
@@ -196,7 +200,11 @@ def measure(model, name, mode, batch, context, steps):
     try:
         cache = make_cache(name, model, batch, context, steps)
         kv = kv_bytes(cache)
-        ms = time_steps(model, cache, batch, context, steps, graph=mode == "graph", forward=forward)
+        if name.startswith("kvlab") and name.endswith(SUFFIX):
+            with compiled_layers(model):
+                ms = time_steps(model, cache, batch, context, steps, graph=mode == "graph", warmups=2)
+        else:
+            ms = time_steps(model, cache, batch, context, steps, graph=mode == "graph", forward=forward)
         row.update(status="ok", ms_per_step=round(ms, 4), tokens_per_s=round(batch * 1000 / ms, 1),
                    kv_gib=round(kv / 2**30, 3), peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 3))
     except torch.cuda.OutOfMemoryError as e:
@@ -228,7 +236,9 @@ def checks(smoke_model) -> dict:
                                do_sample=False)
         agree = (eager.sequences[:, 37:] == dense[:, 37:]).float().mean().item()
         first_diff = [int((eager.sequences[i, 37:] != dense[i, 37:]).nonzero()[0]) if agree < 1 else 64 for i in range(3)]
+        compiled = kvlab.generate(model, ids, fmt, 64, attention_mask=mask, compile=True)
         out[name] = dict(graph_equals_eager=bool(torch.equal(eager.sequences, graph.sequences)),
+                         compiled_agreement=(compiled.sequences[:, 37:] == graph.sequences[:, 37:]).float().mean().item(),
                          tokens_equal_materialising=bool(torch.equal(eager.sequences, dense)),
                          token_agreement=agree, first_difference=first_diff)
         print(" ", name, out[name], flush=True)
@@ -287,7 +297,8 @@ def main():
     ap.add_argument("--budget-gib", type=float, default=120.0)
     ap.add_argument("--profile", action="store_true", help="write a cProfile of eager decode steps (small model)")
     ap.add_argument("--compiled", action="store_true",
-                    help=f"add the row '{COMPILED}' (torch.compile of the forward, then a CUDA graph)")
+                    help=f"add the rows '{COMPILED}' (torch.compile of the forward, then a CUDA graph) and "
+                         f"'<kvlab format>{SUFFIX}' (kvlab.generate(..., compile=True): the decoder layers compiled)")
     ap.add_argument("--names", default=None, help="only these rows (comma-separated); skips capacity, prefill, checks")
     ap.add_argument("--stem", default=None, help="output file stem (default: generate)")
     args = ap.parse_args()
@@ -309,14 +320,16 @@ def main():
     grid = [(int(b), int(c)) for b, c in (p.split(":") for p in args.points.split(","))] if args.points else GRID
     if args.smoke:
         grid = [(2, 300), (3, 1000)]
-    names = ["fp16 DynamicCache", "fp16 StaticCache", *([COMPILED] if args.compiled else []), *FORMATS]
+    names = ["fp16 DynamicCache", "fp16 StaticCache", *([COMPILED] if args.compiled else []), *FORMATS,
+             *([n + SUFFIX for n in FORMATS] if args.compiled else [])]
     if args.names:
-        names = [n for n in dict.fromkeys(names + [COMPILED]) if n in args.names.split(",")]
+        every = ["fp16 DynamicCache", "fp16 StaticCache", COMPILED, *FORMATS, *[n + SUFFIX for n in FORMATS]]
+        names = [n for n in every if n in args.names.split(",")]
     # capacity at 32k: KV bytes per sequence next to the weights; each kvlab batch checked by one step
     capacity = {}
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     capacity_context = 1024 if args.smoke else 32768
-    for name in [] if args.names else [n for n in names[1:] if n != COMPILED]:
+    for name in [] if args.names else [n for n in names[1:] if not n.endswith(SUFFIX)]:
         per_seq = kv_token_bytes(name, cfg) * capacity_context
         act = 2 * 2**30  # activations and workspace of one step
         batch = int((args.budget_gib * 2**30 - weights - act) // per_seq)
@@ -331,7 +344,7 @@ def main():
         point = []
         for name in names:
             fits = kv_token_bytes(name, cfg) * batch * context < (torch.cuda.mem_get_info()[1] - 24 * 2**30)
-            for mode in (["eager"] if name == "fp16 DynamicCache" else ["graph"] if name == COMPILED else ["eager", "graph"]):
+            for mode in (["eager"] if name == "fp16 DynamicCache" else ["graph"] if name.endswith(SUFFIX) else ["eager", "graph"]):
                 if not fits:
                     r = dict(cache=name, mode=mode, batch=batch, context=context, status="oom")
                     print(" ", r, flush=True)

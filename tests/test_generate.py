@@ -6,7 +6,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlab
 from kvlab import KVCache, KVFormat
-from kvlab.hf.generation import PagedKVCache, fused_support, generate
+from kvlab.hf.generation import PagedKVCache, compiled_layers, fused_support, generate
 
 VOCAB = 256
 
@@ -202,6 +202,13 @@ def test_bad_arguments():
         generate(model, ids, KVFormat("mse", 4), 4, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="cuda_graph"):
         generate(model, ids, KVFormat("mse", 4), 4, cuda_graph=True)
+    with pytest.raises(TypeError, match="compile"):
+        generate(model, ids, KVFormat("mse", 4), 4, compile="yes")
+    with pytest.raises(ValueError, match="compile=True needs cuda_graph"):
+        generate(model, ids, KVFormat("mse", 4), 4, compile=True)
+    with pytest.raises(ValueError, match="layers"):
+        with compiled_layers(torch.nn.Linear(2, 2)):
+            pass
     assert model.config._attn_implementation == "sdpa"  # a failed call puts the attention back
 
 
@@ -350,3 +357,20 @@ def test_a_nonfinite_decode_step_is_an_error(fmt, do_sample):
         hook.remove()
     assert calls[0] == 9 and calls[3] == 1
     assert generate(model, ids, fmt, 8, backend="reference").sequences.shape == (2, 17)  # the model is unharmed
+
+
+def test_compiled_layers_generate_the_same_tokens():
+    """Decoder layers under torch.compile (graph breaks at kvlab's cache update and attention) generate what the
+    uncompiled model generates, and are restored after the block (the GPU runs Inductor, benchmarks/bench_generate)."""
+    model = tiny_model(4, 2, 64)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    fmt = KVFormat("mse", 4, 4, rotation="hadamard")
+    plain = generate(model, ids, fmt, 6, attention_mask=mask)
+    torch._dynamo.reset()
+    with compiled_layers(model, backend="eager"):
+        assert all("forward" in layer.__dict__ for layer in model.model.layers)
+        compiled = generate(model, ids, fmt, 6, attention_mask=mask)
+    assert torch.equal(plain.sequences, compiled.sequences)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)

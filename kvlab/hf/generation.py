@@ -53,6 +53,7 @@ Backends
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -77,7 +78,7 @@ from ..reference import (
     AffineCodec, MSECodec, decode_attention_reference, prefill_attention_reference, write_affine_slots, write_slots,
 )
 
-__all__ = ["ATTENTION", "GenerateOutput", "PagedKVCache", "fused_support", "generate", "replay_logits"]
+__all__ = ["ATTENTION", "GenerateOutput", "PagedKVCache", "compiled_layers", "fused_support", "generate", "replay_logits"]
 
 ATTENTION = "kvlab"  # the attention implementation name: model.set_attn_implementation(kvlab.ATTENTION)
 BACKENDS = ("auto", "triton", "reference")
@@ -425,6 +426,7 @@ class PagedKVCache(Cache):
         return (f"PagedKVCache({self.fmt.label}; layers={len(self.layers)}, batch_size={self.batch}, "
                 f"max_length={self.max_length}, backend={self.backend!r}, tokens={self.get_seq_length()})")
 
+    @torch.compiler.disable  # host bookkeeping: a compiled layer calls it eagerly (``compiled_layers``)
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Hand the new keys and values of layer ``layer_idx`` to kvlab's attention, which stores them."""
         if _HANDOFF.layer is not None:
@@ -511,6 +513,7 @@ def _valid_tokens(mask, batch: int, n: int) -> torch.Tensor | None:
     return last.expand(batch, n)
 
 
+@torch.compiler.disable  # kvlab's kernels and the cache's host counts: a compiled layer calls it eagerly
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The ``"kvlab"`` attention implementation: reads and writes the layer's ``PagedKVCache`` (module docstring)."""
     layer = _HANDOFF.layer
@@ -572,7 +575,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
              do_sample: bool = False, temperature: float = 1.0, generator: torch.Generator | None = None,
              eos_token_id: int | None = None, pad_token_id: int | None = None, cuda_graph: bool | None = None,
              backend: str = "auto", block_size: int = 16, max_length: int | None = None,
-             transform=None) -> GenerateOutput:
+             transform=None, compile: bool = False) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per sequence with the KV cache stored as ``fmt``.
 
     ``input_ids`` ``[B, T]`` (left-padded where ``attention_mask`` ``[B, T]`` has zeros). Formats the
@@ -582,7 +585,9 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     one CUDA graph. Greedy by default; ``do_sample`` samples from ``softmax(logits / temperature)``.
     After ``eos_token_id`` a sequence's tokens are ``pad_token_id`` (default: the EOS id).
     ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``); its
-    decode steps replay from a CUDA graph only when ``cuda_graph=True`` is asked for.
+    decode steps replay from a CUDA graph only when ``cuda_graph=True`` is asked for. ``compile=True`` (with the
+    CUDA graph) runs the decoder layers compiled by ``torch.compile`` around kvlab's attention (``compiled_layers``):
+    fewer, fused kernels per step, after a compile of tens of seconds on first use.
     """
     C.check_tensor("input_ids", input_ids, (torch.int64, torch.int32))
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -614,6 +619,10 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         cuda_graph = fused_here and device.type == "cuda" and fmt.codec != "transform"
     if cuda_graph and not (fused_here and device.type == "cuda"):
         raise ValueError("cuda_graph=True needs the fused path on a CUDA device")
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool, got {type(compile).__name__}")
+    if compile and not cuda_graph:
+        raise ValueError("compile=True needs cuda_graph (the fused path on a CUDA device)")
     previous = config._attn_implementation
     if why is None:
         cache = PagedKVCache(fmt, config=config, batch_size=batch, max_length=max_length, device=device,
@@ -626,7 +635,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         path = "materialising"
     try:
         tokens = _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample, temperature, generator,
-                           cuda_graph)
+                           cuda_graph, compile)
     finally:
         model.set_attn_implementation(previous)
     if eos_token_id is not None:
@@ -636,13 +645,39 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     return GenerateOutput(torch.cat([input_ids, tokens], 1), cache, path, why, bool(cuda_graph))
 
 
+@contextlib.contextmanager
+def compiled_layers(model, **options):
+    """Within the block, each decoder layer of ``model`` runs compiled by ``torch.compile`` (Inductor, or what
+    ``options`` ask of ``torch.compile``): its norms, projections, RoPE, residual adds and MLP as fused kernels;
+    kvlab's cache update and attention run between the compiled pieces, eagerly (they are
+    ``torch.compiler.disable``-d). Compiled once per layer and input shape; the layers are as they were after
+    the block. A decode step is then captured in a CUDA graph as usual."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError("compile=True needs a transformers model whose decoder holds its layers in .layers")
+    limits = {k: max(8 * len(layers), 64) for k in ("recompile_limit", "accumulated_recompile_limit")
+              if hasattr(torch._dynamo.config, k)}
+    own = ["forward" in layer.__dict__ for layer in layers]
+    try:
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, **{"dynamic": False, **options})
+        with torch._dynamo.config.patch(**limits):
+            yield model
+    finally:
+        for layer, had in zip(layers, own):
+            if not had:
+                del layer.forward
+
+
 def _positions(attention_mask, batch: int, prompt: int, device) -> torch.Tensor:
     if attention_mask is None:
         return torch.arange(prompt, device=device).expand(batch, prompt)
     return (attention_mask.long().cumsum(1) - 1).clamp_min(0)
 
 
-def _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample, temperature, generator, cuda_graph):
+def _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample, temperature, generator, cuda_graph,
+              compile=False):
     batch, prompt = input_ids.shape
     device = input_ids.device
     pos = _positions(attention_mask, batch, prompt, device)
@@ -672,7 +707,13 @@ def _generate(model, cache, input_ids, attention_mask, max_new_tokens, do_sample
         return _finite(tokens, bad)
     if max_new_tokens == 1:
         return _finite(tokens, bad)
-    # one eager step (builds every device table), then the step captured once and replayed
+    with compiled_layers(model) if compile else contextlib.nullcontext():
+        return _replay(model, cache, tokens, next_pos, step, do_sample, temperature, generator, bad, max_new_tokens)
+
+
+def _replay(model, cache, tokens, next_pos, step, do_sample, temperature, generator, bad, max_new_tokens):
+    """Decode steps 1.. of ``_generate``: one eager step (builds every device table, compiles), then the step
+    captured once in a CUDA graph and replayed."""
     static_ids = tokens[:, :1].clone()
     static_pos = next_pos.clone()
     logits = step(static_ids, static_pos, None)
