@@ -182,7 +182,8 @@ def make_cache(name: str, model, batch: int, context: int, steps: int):
         fill_dense(cache, cfg, batch, context)
     else:
         model.set_attn_implementation("kvlab")
-        cache = PagedKVCache(FORMATS[name.removesuffix(SUFFIX)], config=cfg, batch_size=batch, max_length=context + steps + 4, device="cuda")
+        cache = PagedKVCache(FORMATS[name.removesuffix(SUFFIX)], config=cfg, batch_size=batch, max_length=context + steps + 4,
+                             device="cuda", check_steps=False)  # steps captured in a CUDA graph: no host sync
         fill_paged(cache, context)
     return cache
 

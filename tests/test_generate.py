@@ -257,7 +257,8 @@ def test_decode_step_equals_the_functions(fmt):
     batch, kv_heads, group, dim = 3, 2, 3, 64
     cfg = LlamaConfig(hidden_size=kv_heads * group * dim, num_attention_heads=kv_heads * group,
                       num_key_value_heads=kv_heads, head_dim=dim, num_hidden_layers=1)
-    cache = PagedKVCache(fmt, config=cfg, batch_size=batch, max_length=40, device=device, backend="triton")
+    cache = PagedKVCache(fmt, config=cfg, batch_size=batch, max_length=40, device=device, backend="triton",
+                         check_steps=False)
     layer = cache.layers[0]
     g = torch.Generator().manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=torch.float16)
@@ -374,3 +375,33 @@ def test_compiled_layers_generate_the_same_tokens():
         compiled = generate(model, ids, fmt, 6, attention_mask=mask)
     assert torch.equal(plain.sequences, compiled.sequences)
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("mse", 4), KVFormat("affine", 4, 4)], ids=lambda f: f.label)
+def test_model_generate_stops_at_a_nonfinite_step(fmt):
+    """transformers' generate over a PagedKVCache (decode steps checked by default): a NaN key in the third step
+    is a ValueError naming key_states, and the cache holds what it held before that step, in every layer."""
+    model = tiny_model(4, 2, 64, layers=2)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    calls = []
+
+    def poison(module, args, out):
+        calls.append(out.shape[1])
+        if len(calls) == 4:  # the prompt, then decode steps: the third step's keys of layer 1
+            out = out.clone()
+            out[1] = float("nan")
+        return out
+
+    model.set_attn_implementation("kvlab")
+    cache = PagedKVCache(fmt, config=model.config, batch_size=2, max_length=32, backend="triton")
+    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(poison)
+    try:
+        with pytest.raises(ValueError, match="key_states"):
+            model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False)
+    finally:
+        hook.remove()
+        model.set_attn_implementation("sdpa")
+    assert [layer.length for layer in cache.layers] == [9 + 2, 9 + 2]  # the prompt and two steps, not the third
+    assert all(layer.seq_lens.tolist() == [11, 11] for layer in cache.layers)
+    with pytest.raises(TypeError, match="check_steps"):
+        PagedKVCache(fmt, config=model.config, batch_size=1, max_length=8, check_steps=1)

@@ -206,8 +206,8 @@ class PagedKVCacheLayer(CacheLayerMixin):
         k = key.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         v = value.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         kc, vc = o.key_codec, o.value_codec
-        step = n == 1 and valid is None
-        if not step:  # a prompt or a continuation: checked (host syncs), and undone in every layer if it fails
+        step = n == 1 and valid is None and not o.check_steps
+        if not step:  # a prompt, a continuation or a checked step: host syncs, undone in every layer if it fails
             if self.layer_idx == 0:
                 o._undo = []
             o._undo.append((self, self.length, self.seq_lens.clone()))
@@ -262,7 +262,7 @@ class PagedKVCacheLayer(CacheLayerMixin):
         k = k.reshape(batch * n, heads * dim)
         M = TA if o.backend == "triton" else TR
         ys = (M.transform(self.key_codec, k), M.transform(self.value_codec, v))
-        if not (n == 1 and valid is None):
+        if not (n == 1 and valid is None) or o.check_steps:
             if self.layer_idx == 0:
                 o._undo = []
             o._undo.append((self, self.length, self.seq_lens.clone()))
@@ -374,12 +374,20 @@ class PagedKVCache(Cache):
     tokens) are allocated up front. ``block_size`` tokens per block. ``backend``: ``"auto"``,
     ``"triton"`` or ``"reference"``. The model must attend with ``attn_implementation="kvlab"``
     (``model.set_attn_implementation("kvlab")``; ``kvlab.generate`` does it).
+
+    ``check_steps`` (default True): a decode step's keys and values are checked as a prompt's are (finite, within
+    the range the kernels store; a host sync per layer) and a failing step leaves the cache as it was, so that
+    ``model.generate`` over this cache stops at the first NaN or Inf with a ``ValueError``. ``kvlab.generate``
+    turns it off (its steps are captured in a CUDA graph, which cannot sync) and flags non-finite logits on the
+    device instead; so must any caller that captures steps in a CUDA graph.
     """
 
     def __init__(self, fmt: KVFormat, *, config, batch_size: int, max_length: int, device=None, block_size: int = 16,
-                 backend: str = "auto", transform=None):
+                 backend: str = "auto", transform=None, check_steps: bool = True):
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a kvlab.KVFormat, got {type(fmt).__name__}")
+        if not isinstance(check_steps, bool):
+            raise TypeError(f"check_steps must be a bool, got {type(check_steps).__name__}")
         num_layers, num_kv_heads, head_dim = model_shape(config, "PagedKVCache")
         why = fused_support(fmt, head_dim)
         if why is not None:
@@ -389,7 +397,7 @@ class PagedKVCache(Cache):
         C.check_int("block_size", block_size, minimum=1)
         C.check_choice("backend", backend, BACKENDS)
         device = torch.device("cpu" if device is None else device)
-        self.fmt, self.num_kv_heads, self.head_dim = fmt, num_kv_heads, head_dim
+        self.fmt, self.num_kv_heads, self.head_dim, self.check_steps = fmt, num_kv_heads, head_dim, check_steps
         self.batch, self.max_length, self.block_size, self.device = batch_size, max_length, block_size, device
         self.backend = ("triton" if device.type == "cuda" else "reference") if backend == "auto" else backend
         self.max_blocks = -(-max_length // block_size)
@@ -626,7 +634,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     previous = config._attn_implementation
     if why is None:
         cache = PagedKVCache(fmt, config=config, batch_size=batch, max_length=max_length, device=device,
-                             block_size=block_size, backend=backend, transform=transform)
+                             block_size=block_size, backend=backend, transform=transform, check_steps=False)
         model.set_attn_implementation(ATTENTION)
         path = "fused"
     else:
