@@ -19,9 +19,9 @@ from .reference import AffineCodec, MSECodec
 
 # The transformers integration and the real model import transformers: loaded on first use (PEP 562).
 _LAZY = {
-    "KVCache": "hf.cache", "KVFormat": "hf.cache",
-    "PagedKVCache": "hf.generation", "generate": "hf.generation", "GenerateOutput": "hf.generation",
-    "fused_support": "hf.generation",
+    "KVCache": "hf.cache", "KVFormat": "hf.formats",
+    "PagedKVCache": "hf.paged", "generate": "hf.generation", "GenerateOutput": "hf.generation",
+    "fused_support": "hf.paged",
     "corpus": "hf.model", "load_model": "hf.model", "perplexity": "hf.model", "Perplexity": "hf.model",
     "SimulatedCache": "study.simulated",
 }

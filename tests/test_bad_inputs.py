@@ -29,6 +29,7 @@ import torch
 
 import kvlab
 from kvlab import sweep as S
+from kvlab.sweep import api as SA, executors as SX, run as SR
 from kvlab.hf.cache import KVCache, KVFormat
 from kvlab.reference import decode_attention_reference, read_slots, write_slots
 
@@ -118,15 +119,15 @@ def _rows(values, glued=None):
 
 
 def test_glued_nan_is_written_as_nan_not_empty(tmp_path):
-    S._write_csv(tmp_path / "results.csv", ["a", "x", *S.STATUS_COLUMNS], _rows([1], math.nan) + _rows([2]), ["a"])
+    SA._write_csv(tmp_path / "results.csv", ["a", "x", *S.STATUS_COLUMNS], _rows([1], math.nan) + _rows([2]), ["a"])
     rows = _table(tmp_path)
     assert rows[0]["x"] == "nan" and rows[1]["x"] == ""  # "not glued" stays distinguishable
 
 
 def test_two_sweeps_into_one_folder_keep_both_tables_rows(tmp_path):
     columns = ["a", "x", *S.STATUS_COLUMNS]
-    S._write_csv(tmp_path / "results.csv", columns, _rows([1, 2], 1.5), ["a"])
-    S._write_csv(tmp_path / "results.csv", columns, _rows([3, 2], 2.5), ["a"])
+    SA._write_csv(tmp_path / "results.csv", columns, _rows([1, 2], 1.5), ["a"])
+    SA._write_csv(tmp_path / "results.csv", columns, _rows([3, 2], 2.5), ["a"])
     rows = _table(tmp_path)
     assert [(r["a"], r["x"]) for r in rows] == [("1", "1.5"), ("2", "2.5"), ("3", "2.5")]  # 2 replaced in place
 
@@ -138,7 +139,7 @@ def test_concurrent_table_writers_neither_crash_nor_lose_rows(tmp_path):
     def writer(values):
         try:
             for v in values:
-                S._write_csv(tmp_path / "results.csv", columns, _rows([v]), ["a"])
+                SA._write_csv(tmp_path / "results.csv", columns, _rows([v]), ["a"])
         except BaseException as exc:  # noqa: BLE001  reported below
             errors.append(exc)
 
@@ -155,7 +156,7 @@ def test_concurrent_table_writers_neither_crash_nor_lose_rows(tmp_path):
 def test_a_sweep_over_other_parameters_is_refused_and_changes_nothing(tmp_path, capsys):
     directory = tmp_path / "out" / "sweep_point"
     directory.mkdir(parents=True)
-    S._write_csv(directory / "results.csv", ["b", *S.STATUS_COLUMNS], [{"b": 1, "status": "ok", "duration_s": 0.1,
+    SA._write_csv(directory / "results.csv", ["b", *S.STATUS_COLUMNS], [{"b": 1, "status": "ok", "duration_s": 0.1,
                                                                           "error": "", "notebook": ""}], ["b"])
     before = folder_state(tmp_path)
     assert S.main([str(NOTEBOOK), "-p", "a", "1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
@@ -188,12 +189,12 @@ def test_a_stopped_run_ends_papermill_and_its_kernel(tmp_path):
               "k = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
               f"open({str(pid_file)!r}, 'w').write(str(k.pid))\n"
               "time.sleep(60)\n")
-    S._ABORT.clear()
+    SR.ABORT.clear()
     result = {}
 
     def run():
         try:
-            S._papermill([sys.executable, "-c", script], dict(os.environ), tmp_path / "log.txt")
+            SR._papermill([sys.executable, "-c", script], dict(os.environ), tmp_path / "log.txt")
         except KeyboardInterrupt:
             result["interrupted"] = True
 
@@ -203,9 +204,9 @@ def test_a_stopped_run_ends_papermill_and_its_kernel(tmp_path):
     while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     kernel = int(pid_file.read_text())
-    S._ABORT.set()
+    SR.ABORT.set()
     thread.join(30)
-    S._ABORT.clear()
+    SR.ABORT.clear()
     assert result == {"interrupted": True}
     assert not running(kernel)
 
@@ -230,7 +231,7 @@ def test_an_interrupted_run_leaves_no_temporary_folder(tmp_path, monkeypatch):
     def interrupted(cmd, env, log):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(S, "_papermill", interrupted)
+    monkeypatch.setattr(SR, "_papermill", interrupted)
     task = S.Task("sweep_point.ipynb", NOTEBOOK.read_text(), {"a": 1}, {"TRITON_INTERPRET": "1"})
     with pytest.raises(KeyboardInterrupt):
         S.execute(task)
@@ -247,7 +248,7 @@ def test_a_cell_timeout_is_reported_as_a_timeout(monkeypatch):
         Path(cmd[4]).write_text(json.dumps(nb))
         return subprocess.CompletedProcess(cmd, 1, stdout="nbclient.exceptions.CellTimeoutError: A cell timed out\n")
 
-    monkeypatch.setattr(S, "_papermill", timed_out)
+    monkeypatch.setattr(SR, "_papermill", timed_out)
     outcome = S.execute(S.Task("sweep_point.ipynb", NOTEBOOK.read_text(), {"a": 1}, {"TRITON_INTERPRET": "1"}, 5))
     assert not outcome.ok
     assert "timed out: it ran longer than --execution-timeout 5 s" in outcome.error
@@ -898,19 +899,19 @@ def test_an_interrupted_local_sweep_ends_the_runs_in_flight_at_once(monkeypatch)
     def run_until_stopped(task):
         if task.parameters["a"] == 0:
             return S.Outcome(True, 0.0, "", None)
-        S._ABORT.wait(60)
+        SR.ABORT.wait(60)
         return S.Outcome(False, 0.0, "the sweep was interrupted", None)
 
-    monkeypatch.setattr(S, "execute", run_until_stopped)
-    S._ABORT.clear()
+    monkeypatch.setattr(SX, "execute", run_until_stopped)
+    SR.ABORT.clear()
     tasks = {S.Run(i, {"a": i}, f"a={i}"): S.Task("n.ipynb", "", {"a": i}, {}) for i in range(2)}
-    results = S._run_local(tasks, [{}, {}])
+    results = SX.run_local(tasks, [{}, {}])
     next(results)  # the quick run; the other is in flight
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         results.throw(KeyboardInterrupt)
-    assert time.monotonic() - start < 10 and S._ABORT.is_set()
-    S._ABORT.clear()
+    assert time.monotonic() - start < 10 and SR.ABORT.is_set()
+    SR.ABORT.clear()
 
 
 def test_a_second_interrupt_does_not_cut_the_ending_short(capsys):
@@ -922,7 +923,7 @@ def test_a_second_interrupt_does_not_cut_the_ending_short(capsys):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        S._wait_uninterrupted(wait)
+        SX._wait_uninterrupted(wait)
     assert len(calls) == 2 and "stopping: ending the runs in flight" in capsys.readouterr().err
 
 
@@ -978,10 +979,10 @@ def test_a_utf16_notebook_is_exit_2(tmp_path, capsys):
 
 
 def test_the_table_is_utf8_whatever_the_locale(tmp_path):
-    script = ("import sys, locale; from pathlib import Path; from kvlab import sweep as S\n"
+    script = ("import sys, locale; from pathlib import Path; from kvlab.sweep import api as SA\n"
               "assert locale.getpreferredencoding(False).lower() in ('ansi_x3.4-1968', 'ascii', 'us-ascii')\n"
               "row = {'a': 1, 'label': 'na\\u00efve \\u2211', 'status': 'ok', 'duration_s': 0.1, 'error': '', 'notebook': ''}\n"
-              "S._write_csv(Path(sys.argv[1]) / 'results.csv', ['a', 'label', *S.STATUS_COLUMNS], [row], ['a'])\n")
+              "SA._write_csv(Path(sys.argv[1]) / 'results.csv', ['a', 'label', *SA.STATUS_COLUMNS], [row], ['a'])\n")
     env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
            "PYTHONPATH": str(Path(__file__).parent.parent)}
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)

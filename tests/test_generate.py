@@ -173,7 +173,7 @@ def test_bad_inputs_leave_the_cache_as_it_was():
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="read by kvlab's attention only"):
         model(ids, cache=PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=12))
-    kvlab.hf.generation._HANDOFF.layer = None
+    kvlab.hf.paged._HANDOFF.layer = None
 
 
 def test_bad_arguments():

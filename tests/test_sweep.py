@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvlab import sweep as S
+from kvlab.sweep import executors as SX, run as SR
 
 NOTEBOOK = Path(__file__).parent / "data" / "sweep_point.ipynb"
 
@@ -30,7 +31,7 @@ def notebook(tmp_path):
 @pytest.fixture
 def cpu_only(monkeypatch):
     """The local executor sees no GPU, whatever the machine has."""
-    monkeypatch.setattr(S, "_visible_gpus", lambda: [])
+    monkeypatch.setattr(SX, "_visible_gpus", lambda: [])
 
 
 def read_table(directory: Path) -> list[dict]:
@@ -160,7 +161,7 @@ def test_bad_notebooks(tmp_path, capsys):
 
 
 def test_more_workers_than_gpus(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(S, "_visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(SX, "_visible_gpus", lambda: ["0", "1"])
     out = tmp_path / "out"
     assert S.main(sweep_args(NOTEBOOK, out, "-p", "a", "1", "--workers", "3")) == 2
     assert "--workers 3: only 2 GPU(s) are visible" in capsys.readouterr().err
@@ -174,7 +175,7 @@ def _kernels_failing_to_start(monkeypatch, failures):
     """Make the first ``failures`` papermill calls end as a kernel that died before its first reply."""
     import subprocess
 
-    real, calls = S._papermill, []
+    real, calls = SR._papermill, []
 
     def run(cmd, env, log):
         calls.append(cmd)
@@ -182,7 +183,7 @@ def _kernels_failing_to_start(monkeypatch, failures):
             return subprocess.CompletedProcess(cmd, 1, stdout=f"Traceback ...\nRuntimeError: {S.KERNEL_START_FAILURE}\n")
         return real(cmd, env, log)
 
-    monkeypatch.setattr(S, "_papermill", run)
+    monkeypatch.setattr(SR, "_papermill", run)
     return calls
 
 
@@ -267,7 +268,7 @@ def test_failing_points_are_reported_and_the_rest_complete(tmp_path, capsys, cpu
 
 
 def test_local_workers_are_pinned_to_one_gpu_each(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "_visible_gpus", lambda: ["3", "5"])
+    monkeypatch.setattr(SX, "_visible_gpus", lambda: ["3", "5"])
     result = S.sweep(NOTEBOOK, {"a": [1, 2]}, tmp_path / "out", progress=False, plot=False)
     assert result.ok and result.plot is None
     assert sorted(r["cuda_visible_devices"] for r in result.rows) == ["3", "5"]

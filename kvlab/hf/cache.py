@@ -89,437 +89,21 @@ Cost
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import _checks as C
 from ..calibration import ChannelStats
-from ..centered.reference import CenteredMSECodec
 from .decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
-from ..layout import AFFINE_BITS, MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
-from ..reference import AffineCodec, MSECodec, read_slots, write_slots
-from ..rotation import KINDS as ROTATIONS, MAX_DIM
+from .formats import CODECS, MSE_CODECS, KVFormat
+from .stores import AffineStream, MSEStore, TransformStore, cat_parts, centered_codec, mse_codec
 
 __all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
-
-CODECS = ("fp16", "affine", "mse", "centered", "transform")
-MSE_CODECS = ("mse", "centered")  # the paged MSE slot
-KEY_AXES = ("token", "channel")
 BACKENDS = ("auto", "triton", "reference")
 PREFILL = ("exact", "stored")
 STORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-# ----------------------------------------------------------------------------- formats
-
-
-def _check_bits(name: str, bits, allowed, per_head: bool):
-    """An int in ``allowed``, or (``per_head``) a non-empty list/tuple of such ints -> int or tuple."""
-    if isinstance(bits, (list, tuple)):
-        if not per_head:
-            raise ValueError(f"{name} can be a list of bits per head only for codec='affine' on the token axis")
-        if not bits:
-            raise ValueError(f"{name} must not be an empty list")
-        for h, b in enumerate(bits):
-            C.check_int(f"{name}[{h}]", b, allowed)
-        return tuple(bits)
-    if bits is None:
-        raise TypeError(f"{name} must be an int (or a list of ints per head), got None")
-    return C.check_int(name, bits, allowed)
-
-
-@dataclass(frozen=True, init=False)
-class KVFormat:
-    """How one layer stores its keys and values (see the module docstring).
-
-    ``KVFormat("fp16")``; ``KVFormat("affine", 4)`` (k4v4, per-token, groups of 32 channels);
-    ``KVFormat("affine", 2, key_axis="channel")`` (KIVI); ``KVFormat("affine", [8, 4, 4], 4)`` (mixed
-    key bits per head); ``KVFormat("mse", 4, 3, rotation="hadamard")`` (k4v3);
-    ``KVFormat("centered", 3, 2)`` (centred 3-bit keys, 2-bit values; needs ``KVCache(key_stats=...)``).
-    """
-
-    codec: str
-    key_bits: int | tuple[int, ...]
-    value_bits: int | tuple[int, ...]
-    key_axis: str
-    group_size: int
-    rotation: str
-    seed: int
-
-    def __init__(self, codec: str = "fp16", key_bits=None, value_bits=None, *, key_axis: str = "token",
-                 group_size: int = 32, rotation: str = "haar", seed: int = 0):
-        C.check_choice("codec", codec, CODECS)
-        C.check_choice("key_axis", key_axis, KEY_AXES)
-        C.check_int("group_size", group_size, minimum=8)
-        if group_size % 8:
-            raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
-        C.check_choice("rotation", rotation, ROTATIONS)
-        C.check_int("seed", seed)
-        if codec == "transform":  # the bits are the calibrated codecs' (KVCache(transform=...))
-            for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
-                if bits is not None:
-                    raise ValueError(f"{name} must be None for codec='transform' (the calibrated codecs set the bits), "
-                                     f"got {bits!r}")
-            if key_axis != "token":
-                raise ValueError("key_axis='channel' needs codec='affine'")
-        elif codec == "fp16":
-            for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
-                if bits not in (None, 16):
-                    raise ValueError(f"{name} must be None or 16 for codec='fp16', got {bits!r}")
-            key_bits = value_bits = 16
-            if key_axis != "token":
-                raise ValueError("key_axis='channel' needs codec='affine'")
-        else:
-            value_bits = key_bits if value_bits is None else value_bits
-            allowed = AFFINE_BITS if codec == "affine" else MSE_BITS
-            key_bits = _check_bits("key_bits", key_bits, allowed, codec == "affine" and key_axis == "token")
-            value_bits = _check_bits("value_bits", value_bits, allowed, codec == "affine")
-            if codec in MSE_CODECS and key_axis != "token":
-                raise ValueError("key_axis='channel' needs codec='affine'")
-        for name, value in (("codec", codec), ("key_bits", key_bits), ("value_bits", value_bits),
-                            ("key_axis", key_axis), ("group_size", group_size), ("rotation", rotation),
-                            ("seed", seed)):
-            object.__setattr__(self, name, value)
-
-    @property
-    def mixed(self) -> bool:
-        """Whether keys or values have a bit width per head."""
-        return isinstance(self.key_bits, tuple) or isinstance(self.value_bits, tuple)
-
-    def check(self, num_heads: int, head_dim: int) -> None:
-        """Raise ValueError if this format cannot store ``num_heads`` heads of ``head_dim`` elements."""
-        for name, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
-            if isinstance(bits, tuple) and len(bits) != num_heads:
-                raise ValueError(f"{name} has {len(bits)} entries (bits per head) but the model has {num_heads} KV heads")
-        if self.codec == "affine":
-            # values are always grouped along channels (and keys too unless key_axis='channel')
-            if head_dim % self.group_size:
-                raise ValueError(f"group_size ({self.group_size}) must divide head_dim ({head_dim}) for codec='affine'")
-        if self.codec in MSE_CODECS:
-            C.check_int("head_dim", head_dim, minimum=3)
-            if head_dim > MAX_DIM:
-                raise ValueError(f"head_dim must be in [3, {MAX_DIM}] for codec={self.codec!r} (a dense rotation), got {head_dim}")
-            if self.rotation == "hadamard" and head_dim & (head_dim - 1):
-                raise ValueError(f"rotation='hadamard' needs a power-of-two head_dim, got {head_dim}")
-
-    def _part_bits(self, bits, head_dim: int, channel: bool) -> float:
-        if self.codec == "fp16":
-            return 16.0
-        if self.codec == "transform":
-            raise ValueError("the bits of KVFormat('transform') are those of its calibrated codecs: "
-                             "KVCache(..., transform=...).bits_per_element or TransformKV.bits_per_element()")
-        if self.codec in MSE_CODECS:
-            return 8.0 * (packed_bytes(head_dim, bits) + NORM_BYTES) / head_dim
-        g = self.group_size
-        if channel:  # one code: g rows of packed indices, then a scale and a zero per channel
-            return 8.0 * (g * packed_bytes(head_dim, bits) + 4 * head_dim) / (g * head_dim)
-        per_head = bits if isinstance(bits, tuple) else (bits,)
-        code = [packed_bytes(head_dim, b) + 4 * (head_dim // g) for b in per_head]
-        return 8.0 * sum(code) / (len(code) * head_dim)
-
-    def key_bits_per_element(self, head_dim: int) -> float:
-        """Bits a quantized key element costs, metadata included."""
-        return self._part_bits(self.key_bits, head_dim, self.key_axis == "channel")
-
-    def value_bits_per_element(self, head_dim: int) -> float:
-        return self._part_bits(self.value_bits, head_dim, False)
-
-    def bits_per_element(self, head_dim: int) -> float:
-        """Mean of key and value bits per element (they hold the same number of elements)."""
-        return 0.5 * (self.key_bits_per_element(head_dim) + self.value_bits_per_element(head_dim))
-
-    @property
-    def label(self) -> str:
-        """A short name, e.g. ``affine k4v4``, ``affine k2v2 channel-keys``, ``mse k4v3 hadamard``."""
-        if self.codec in ("fp16", "transform"):
-            return self.codec
-
-        def b(bits):
-            return "[" + ",".join(map(str, bits)) + "]" if isinstance(bits, tuple) else str(bits)
-
-        text = f"{self.codec} k{b(self.key_bits)}v{b(self.value_bits)}"
-        if self.codec == "affine":
-            text += " channel-keys" if self.key_axis == "channel" else ""
-            text += f" g{self.group_size}" if self.group_size != 32 else ""
-        else:
-            text += f" {self.rotation}"
-        return text
-
-    def __repr__(self) -> str:
-        if self.codec in ("fp16", "transform"):
-            return f"KVFormat({self.codec!r})"
-        extra = f", key_axis={self.key_axis!r}" if self.key_axis != "token" else ""
-        if self.codec in MSE_CODECS:
-            extra += f", rotation={self.rotation!r}" + (f", seed={self.seed}" if self.seed else "")
-        return f"KVFormat({self.codec!r}, {self.key_bits!r}, {self.value_bits!r}{extra}, group_size={self.group_size})"
-
-
-# ----------------------------------------------------------------------------- codec back ends
-
-
-@functools.lru_cache(maxsize=None)
-def _mse_codec(dim: int, bits: int, rotation: str, seed: int) -> MSECodec:
-    return MSECodec(dim, bits, rotation=rotation, seed=seed)
-
-
-@functools.lru_cache(maxsize=None)
-def _affine_codec(bits: int, group_size: int, axis: str) -> AffineCodec:
-    return AffineCodec(bits, group_size, axis)
-
-
-def _triton():
-    """kvlab's Triton launchers, imported on first use."""
-    from .. import affine, mse
-
-    return affine, mse
-
-
-def _centered_kernels():
-    from .. import centered
-
-    return centered
-
-
-def _centered_codec(dim: int, bits: int, rotation: str, seed: int, stats: ChannelStats, layer: int) -> CenteredMSECodec:
-    return CenteredMSECodec(dim, bits, stats.mean[layer], stats.scale[layer], rotation=rotation, seed=seed,
-                            rope=stats.rope)
-
-
-class _AffineStream:
-    """Codes of one part (K or V) of one layer with the affine codec.
-
-    ``axis="token"``: uint8 ``[B, H, tokens, code_bytes]``; ``axis="channel"``: ``[B, H, tokens / g,
-    code_bytes]``; per-head bits: ``[B, tokens, bytes_per_token]``.
-    """
-
-    def __init__(self, bits, group_size: int, axis: str, num_heads: int, head_dim: int, backend: str):
-        self.bits, self.group_size, self.axis = bits, group_size, axis
-        self.num_heads, self.head_dim, self.backend = num_heads, head_dim, backend
-        self.unit = group_size if axis == "channel" else 1  # tokens per encode step
-        self.mixed = isinstance(bits, tuple)
-        if self.mixed:
-            self.heads = [_affine_codec(b, group_size, "token") for b in bits]
-            self.head_bytes = [c.nbytes(head_dim) for c in self.heads]
-            if backend == "triton":
-                affine, _ = _triton()
-                self.layout = affine.MixedAffineLayout(list(bits), head_dim, group_size)
-        else:
-            self.codec = _affine_codec(bits, group_size, axis)
-        self.codes: torch.Tensor | None = None
-        self.tokens = 0
-
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, H, n, D]`` -> codes (n a multiple of ``unit``)."""
-        if self.mixed:
-            x = x.transpose(1, 2)  # [B, n, H, D]
-            if self.backend == "triton":
-                return _triton()[0].pack_affine_mixed(x, self.layout)
-            return torch.cat([c.encode(x[:, :, h]) for h, c in enumerate(self.heads)], -1)
-        if self.backend == "triton":
-            return _triton()[0].pack_affine(x, self.bits, self.group_size, self.axis)
-        return self.codec.encode(x)
-
-    def write(self, x: torch.Tensor) -> None:
-        codes = self._encode(x)
-        axis = 1 if self.mixed else 2
-        self.codes = codes if self.codes is None else torch.cat([self.codes, codes], axis)
-        self.tokens += x.shape[2]
-
-    def read(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Decoded ``[B, H, tokens, D]`` in ``dtype``, or None when nothing is stored."""
-        if self.codes is None:
-            return None
-        if self.mixed:
-            if self.backend == "triton":
-                x = _triton()[0].unpack_affine_mixed(self.codes, self.layout, out_dtype=dtype)
-            else:
-                parts = self.codes.split(self.head_bytes, -1)
-                x = torch.stack([c.decode(p, self.head_dim) for c, p in zip(self.heads, parts)], 2).to(dtype)
-            return x.transpose(1, 2)
-        if self.backend == "triton":
-            return _triton()[0].unpack_affine(self.codes, self.bits, self.group_size, self.axis, self.head_dim, out_dtype=dtype)
-        return self.codec.decode(self.codes, self.head_dim).to(dtype)
-
-    def nbytes(self) -> int:
-        return 0 if self.codes is None else self.codes.numel()
-
-
-class _MSEStore:
-    """Keys and values of one layer in the paged MSE cache ``[num_blocks, block_size, H, slot_bytes]``.
-
-    ``key_codec`` is an ``MSECodec`` or a ``CenteredMSECodec`` (same slot).
-    """
-
-    def __init__(self, key_codec: MSECodec | CenteredMSECodec, value_codec: MSECodec, num_heads: int,
-                 block_size: int, batch: int, device, backend: str):
-        self.key_codec, self.value_codec = key_codec, value_codec
-        self.centered = isinstance(key_codec, CenteredMSECodec)
-        self.first_position = 0  # sequence position of the first stored token (after the sink tokens)
-        self.layout = MSESlot(key_codec.dim, key_codec.bits, value_codec.bits)
-        self.num_heads, self.block_size, self.backend = num_heads, block_size, backend
-        self.cache = torch.zeros(0, block_size, num_heads, self.layout.slot_bytes, dtype=torch.uint8, device=device)
-        self.block_table: list[list[int]] = [[] for _ in range(batch)]
-        self.tokens = 0
-
-    def _slots(self, start: int, stop: int) -> torch.Tensor:
-        """slot_mapping of positions [start, stop) of every sequence, sequence-major: [B * (stop - start)]."""
-        pos = torch.arange(start, stop)
-        table = torch.tensor(self.block_table, dtype=torch.int64).reshape(len(self.block_table), -1)
-        slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        return slots.reshape(-1).to(self.cache.device)
-
-    def _positions(self, start: int, stop: int) -> torch.Tensor:
-        """Sequence positions of stored tokens [start, stop) of every sequence, sequence-major: [B * (stop - start)]."""
-        return (torch.arange(start, stop) + self.first_position).repeat(len(self.block_table))
-
-    def _new_blocks(self, stop: int) -> int:
-        """Extend every sequence's block table to hold ``stop`` tokens with blocks after the last one; how many."""
-        need = -(-stop // self.block_size)  # blocks per sequence
-        first = 1 + max((b for t in self.block_table for b in t), default=-1)
-        ids = iter(range(first, first + sum(max(0, need - len(t)) for t in self.block_table)))
-        added = 0
-        for t in self.block_table:
-            new = [next(ids) for _ in range(need - len(t))]
-            t.extend(new)
-            added += len(new)
-        return added
-
-    @staticmethod
-    def _grow(cache: torch.Tensor, blocks: int) -> torch.Tensor:
-        """``cache`` with ``blocks`` zero blocks appended (a new tensor: the old one is kept for a rollback)."""
-        return torch.cat([cache, cache.new_zeros(blocks, *cache.shape[1:])], 0) if blocks else cache
-
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``k``, ``v`` ``[B, H, n, D]`` at positions [tokens, tokens + n) of every sequence."""
-        batch, heads, n, dim = k.shape
-        stop = self.tokens + n
-        self.cache = self._grow(self.cache, self._new_blocks(stop))
-        slots = self._slots(self.tokens, stop)
-        k_rows = k.transpose(1, 2).reshape(batch * n, heads, dim)  # [B * n, H, D], sequence-major
-        v_rows = v.transpose(1, 2).reshape(batch * n, heads, dim)
-        if self.backend == "triton" and self.centered:
-            _centered_kernels().store_centered_mse(k_rows, v_rows, slots, self.cache, self.key_codec, self.value_codec,
-                                                   positions=self._positions(self.tokens, stop))
-        elif self.centered:
-            k_codes = self.key_codec.encode(k_rows, self._positions(self.tokens, stop) if self.key_codec.rope else None)
-            write_slots(self.cache, slots, k_codes, self.value_codec.encode(v_rows), self.layout)
-        elif self.backend == "triton":
-            _triton()[1].store_mse(k_rows, v_rows, slots, self.cache, self.key_codec, self.value_codec)
-        else:
-            write_slots(self.cache, slots, self.key_codec.encode(k_rows), self.value_codec.encode(v_rows), self.layout)
-        self.tokens = stop
-
-    def _stored(self):
-        """``(batch, tokens, slot_mapping)`` of every stored token, or None when there is none."""
-        return None if self.tokens == 0 else (len(self.block_table), self.tokens, self._slots(0, self.tokens))
-
-    def read(self, dtype: torch.dtype):
-        """Decoded keys and values ``[B, H, tokens, D]`` in ``dtype`` (model space), or (None, None)."""
-        if (stored := self._stored()) is None:
-            return None, None
-        batch, n, slots = stored
-        if self.backend == "triton":
-            mse = _triton()[1]
-            if self.centered:
-                k = _centered_kernels().load_centered_mse(self.cache, slots, self.key_codec, space="model", out_dtype=dtype,
-                                                          positions=self._positions(0, n))
-            else:
-                k = mse.load_mse(self.cache, slots, self.key_codec, part="key", space="model", out_dtype=dtype)
-            v = mse.load_mse(self.cache, slots, self.value_codec, part="value", space="model", out_dtype=dtype)
-        else:
-            k_codes, v_codes = read_slots(self.cache, slots, self.layout)
-            if self.centered:
-                k = self.key_codec.decode(k_codes, "model", self._positions(0, n) if self.key_codec.rope else None).to(dtype)
-            else:
-                k = self.key_codec.decode(k_codes, "model").to(dtype)
-            v = self.value_codec.decode(v_codes, "model").to(dtype)
-        shape = (batch, n, self.num_heads, self.key_codec.dim)
-        return k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2)
-
-    def nbytes(self) -> int:
-        """Bytes of the slots that hold tokens (partly filled blocks count their used slots only)."""
-        return len(self.block_table) * self.tokens * self.num_heads * self.layout.slot_bytes
-
-    def allocated_nbytes(self) -> int:
-        return self.cache.numel()
-
-
-class _TransformStore(_MSEStore):
-    """Keys and values of one layer in two paged caches of transform-codec rows ``[num_blocks, block_size,
-    row_bytes]`` (``kvlab.transform``); keys coded before RoPE when ``rope`` is set (undone at each token's
-    position before encoding, applied again after decoding)."""
-
-    def __init__(self, key_codec, value_codec, rope, num_heads: int, head_dim: int, block_size: int, batch: int,
-                 device, backend: str):
-        self.key_codec, self.value_codec, self.rope = key_codec.to(device), value_codec.to(device), rope
-        self.first_position = 0
-        self.num_heads, self.head_dim, self.block_size, self.backend = num_heads, head_dim, block_size, backend
-        self.k_cache = torch.zeros(0, block_size, key_codec.row_bytes, dtype=torch.uint8, device=device)
-        self.v_cache = torch.zeros(0, block_size, value_codec.row_bytes, dtype=torch.uint8, device=device)
-        self.cache = self.k_cache  # blocks are counted on the key cache
-        self.block_table: list[list[int]] = [[] for _ in range(batch)]
-        self.tokens = 0
-
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        from ..transform import api as TA, reference as TR, triton as TK
-
-        batch, heads, n, dim = k.shape
-        stop = self.tokens + n
-        rows_k = k.transpose(1, 2).reshape(batch * n, heads, dim)
-        if self.rope is not None:
-            pos = self._positions(self.tokens, stop)[:, None]
-            rows_k = self.rope.undo(rows_k, pos).to(k.device, torch.float32)
-        rows_k = rows_k.reshape(batch * n, heads * dim)
-        rows_v = v.transpose(1, 2).reshape(batch * n, heads * dim)
-        M = TA if self.backend == "triton" else TR  # the same matrix products and checks, kernels or oracle
-        ys = [M.transform(self.key_codec, rows_k), M.transform(self.value_codec, rows_v)]
-        for name, codec, y in (("key_states", self.key_codec, ys[0]), ("value_states", self.value_codec, ys[1])):
-            M.check_gains(codec, y, name)  # both checked before anything is written
-        grow = self._new_blocks(stop)
-        self.k_cache, self.v_cache = self._grow(self.k_cache, grow), self._grow(self.v_cache, grow)
-        self.cache = self.k_cache
-        slots = self._slots(self.tokens, stop)
-        for codec, cache, y in ((self.key_codec, self.k_cache, ys[0]), (self.value_codec, self.v_cache, ys[1])):
-            if self.backend == "triton":
-                TK.store_transform(y, codec, cache, slots)
-            else:
-                TR.write_rows(cache.view(-1, codec.row_bytes), slots, TR.pack(codec, *TR.quantize(codec, y)))
-        self.tokens = stop
-
-    def read(self, dtype: torch.dtype):
-        from ..transform import api as TA, reference as TR, triton as TK
-
-        if (stored := self._stored()) is None:
-            return None, None
-        batch, n, slots = stored
-        out = []
-        for codec, cache in ((self.key_codec, self.k_cache), (self.value_codec, self.v_cache)):
-            if self.backend == "triton":
-                x = TA.untransform(codec, TK.load_transform(cache, codec, slots))
-            else:
-                rows = TR.read_rows(cache.view(-1, codec.row_bytes), slots)
-                x = TR.untransform(codec, TR.dequantize(codec, *TR.unpack(codec, rows)))
-            out.append(x.reshape(batch * n, self.num_heads, self.head_dim))
-        k, v = out
-        if self.rope is not None:
-            k = self.rope.apply(k, self._positions(0, n)[:, None]).to(v.device, torch.float32)
-        shape = (batch, n, self.num_heads, self.head_dim)
-        return k.to(dtype).reshape(shape).transpose(1, 2), v.to(dtype).reshape(shape).transpose(1, 2)
-
-    def nbytes(self) -> int:
-        return len(self.block_table) * self.tokens * (self.key_codec.row_bytes + self.value_codec.row_bytes)
-
-    def allocated_nbytes(self) -> int:
-        return self.k_cache.numel() + self.v_cache.numel()
-
-
-def _cat(parts, dim: int):
-    parts = [p for p in parts if p is not None and p.shape[dim] > 0]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 # ----------------------------------------------------------------------------- one layer
@@ -567,19 +151,19 @@ class KVCacheLayer(CacheLayerMixin):
         self.k_exact, self.v_exact = self.k_tail.clone(), self.v_tail.clone()  # every token, with decode_view
         fmt = self.fmt
         if fmt.codec == "affine":
-            self.k_codes = _AffineStream(fmt.key_bits, fmt.group_size, fmt.key_axis, heads, dim, self.backend)
-            self.v_codes = _AffineStream(fmt.value_bits, fmt.group_size, "token", heads, dim, self.backend)
+            self.k_codes = AffineStream(fmt.key_bits, fmt.group_size, fmt.key_axis, heads, dim, self.backend)
+            self.v_codes = AffineStream(fmt.value_bits, fmt.group_size, "token", heads, dim, self.backend)
         elif fmt.codec == "transform":
             t = self.transform
-            self.mse = _TransformStore(t.keys[self.layer_idx], t.values[self.layer_idx], t.rope, heads, dim,
+            self.mse = TransformStore(t.keys[self.layer_idx], t.values[self.layer_idx], t.rope, heads, dim,
                                        self.block_size, batch, self.device, self.backend)
         elif fmt.codec in MSE_CODECS:
             if fmt.codec == "centered":
-                key_codec = _centered_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed, self.key_stats, self.layer_idx)
+                key_codec = centered_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed, self.key_stats, self.layer_idx)
             else:
-                key_codec = _mse_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed)
-            self.mse = _MSEStore(key_codec,
-                                 _mse_codec(dim, fmt.value_bits, fmt.rotation, fmt.seed),
+                key_codec = mse_codec(dim, fmt.key_bits, fmt.rotation, fmt.seed)
+            self.mse = MSEStore(key_codec,
+                                 mse_codec(dim, fmt.value_bits, fmt.rotation, fmt.seed),
                                  heads, self.block_size, batch, self.device, self.backend)
         self.is_initialized = True
 
@@ -699,8 +283,8 @@ class KVCacheLayer(CacheLayerMixin):
             k_q, v_q = self.k_codes.read(dtype), self.v_codes.read(dtype)
         else:
             k_q = v_q = None
-        return (_cat([self.k_sink.to(dtype), k_q, self.k_tail.to(dtype)], 2),
-                _cat([self.v_sink.to(dtype), v_q, self.v_tail.to(dtype)], 2))
+        return (cat_parts([self.k_sink.to(dtype), k_q, self.k_tail.to(dtype)], 2),
+                cat_parts([self.v_sink.to(dtype), v_q, self.v_tail.to(dtype)], 2))
 
     def get_seq_length(self) -> int:
         return self.length
