@@ -334,22 +334,28 @@ def test_checked_attention_names_a_nonfinite_query():
         prefill_attention(q[:, None], layer.cache, *args)
 
 
+def poison_third_step(model, layer: int):
+    """A hook that makes sequence 1's keys of ``layer`` NaN in the third decode step (the fourth forward call);
+    returns it and the list of each call's token count."""
+    calls = []
+
+    def poison(module, args, out):
+        calls.append(out.shape[1])
+        if len(calls) == 4:  # the prompt, then decode steps
+            out = out.clone()
+            out[1] = float("nan")
+        return out
+
+    return model.model.layers[layer].self_attn.k_proj.register_forward_hook(poison), calls
+
+
 @pytest.mark.parametrize("fmt,do_sample", [(KVFormat("mse", 4), False), (KVFormat("affine", 4, 4), True)],
                          ids=["mse-greedy", "affine-sampled"])
 def test_a_nonfinite_decode_step_is_an_error(fmt, do_sample):
     """Decode steps are stored without a host sync; a NaN key in step 3 is flagged on the device and raised at the end."""
     model = tiny_model(4, 2, 64, layers=2)
     ids = torch.randint(3, VOCAB, (2, 9))
-    calls = []
-
-    def poison(module, args, out):
-        calls.append(out.shape[1])
-        if len(calls) == 4:  # the prompt, then decode steps: the third step's keys of layer 0
-            out = out.clone()
-            out[1] = float("nan")
-        return out
-
-    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(poison)
+    hook, calls = poison_third_step(model, 0)
     try:
         with pytest.raises(ValueError, match=r"NaN or Inf logits for sequence\(s\) \[1\]"):
             generate(model, ids, fmt, 8, backend="triton", do_sample=do_sample,
@@ -383,18 +389,9 @@ def test_model_generate_stops_at_a_nonfinite_step(fmt):
     is a ValueError naming key_states, and the cache holds what it held before that step, in every layer."""
     model = tiny_model(4, 2, 64, layers=2)
     ids = torch.randint(3, VOCAB, (2, 9))
-    calls = []
-
-    def poison(module, args, out):
-        calls.append(out.shape[1])
-        if len(calls) == 4:  # the prompt, then decode steps: the third step's keys of layer 1
-            out = out.clone()
-            out[1] = float("nan")
-        return out
-
     model.set_attn_implementation("kvlab")
     cache = PagedKVCache(fmt, config=model.config, batch_size=2, max_length=32, backend="triton")
-    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(poison)
+    hook, _ = poison_third_step(model, 1)
     try:
         with pytest.raises(ValueError, match="key_states"):
             model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False)
