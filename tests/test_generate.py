@@ -381,6 +381,11 @@ def test_compiled_layers_generate_the_same_tokens():
         compiled = generate(model, ids, fmt, 6, attention_mask=mask)
     assert torch.equal(plain.sequences, compiled.sequences)
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+    hooked = model.model.layers[0].forward  # a layer with a forward of its own (as accelerate's hooks set) gets it back
+    model.model.layers[0].forward = hooked
+    with compiled_layers(model, backend="eager"):
+        assert model.model.layers[0].forward is not hooked
+    assert model.model.layers[0].__dict__["forward"] is hooked
 
 
 @pytest.mark.parametrize("fmt", [KVFormat("mse", 4), KVFormat("affine", 4, 4)], ids=lambda f: f.label)

@@ -137,16 +137,18 @@ def compiled_layers(model, **options):
         raise ValueError("compile=True needs a transformers model whose decoder holds its layers in .layers")
     limits = {k: max(8 * len(layers), 64) for k in ("recompile_limit", "accumulated_recompile_limit")
               if hasattr(torch._dynamo.config, k)}
-    own = ["forward" in layer.__dict__ for layer in layers]
+    own = [layer.__dict__.get("forward") for layer in layers]  # a layer's own forward (e.g. a hook's), else None
     try:
         for layer in layers:
             layer.forward = torch.compile(layer.forward, **{"dynamic": False, **options})
         with torch._dynamo.config.patch(**limits):
             yield model
     finally:
-        for layer, had in zip(layers, own):
-            if not had:
+        for layer, forward in zip(layers, own):
+            if forward is None:
                 del layer.forward
+            else:
+                layer.forward = forward
 
 
 def _positions(attention_mask, batch: int, prompt: int, device) -> torch.Tensor:
