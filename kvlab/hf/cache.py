@@ -92,12 +92,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from .. import _checks as C
 from ..calibration import ChannelStats
-from .decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
-from .formats import CODECS, MSE_CODECS, KVFormat
+from .decode_view import DecodeView, DecodeViewCache, hand_over, quantized_from
+from .formats import MSE_CODECS, KVFormat
 from .stores import AffineStream, MSEStore, TransformStore, cat_parts, centered_codec, mse_codec
 
 __all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
@@ -384,7 +384,7 @@ def model_shape(config, who: str = "KVCache") -> tuple[int, int, int]:
     return num_layers, num_kv_heads, head_dim
 
 
-class KVCache(Cache):
+class KVCache(DecodeViewCache):
     """A transformers ``Cache`` whose layers store K and V as kvlab codes (see the module docstring).
 
     ``KVCache(fmt, config=model.config)`` or, without a model config, ``KVCache(fmt, num_layers=...,
@@ -475,32 +475,6 @@ class KVCache(Cache):
             for i, f in enumerate(formats)
         ]
         super().__init__(layers=layers)
-
-    @property
-    def decode_view(self) -> bool:
-        """Whether calls attend as token-by-token decoding would (``kvlab.hf.decode_view``)."""
-        return self.layers[0].decode_view
-
-    @decode_view.setter
-    def decode_view(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise TypeError(f"decode_view must be a bool, got {type(on).__name__}")
-        if on != self.decode_view and self.get_seq_length():
-            raise ValueError("decode_view must be set before the cache holds tokens")
-        for layer in self.layers:
-            layer.decode_view = on
-
-    @property
-    def attn_implementation(self) -> str | None:
-        """The attention implementation a model must use with this cache (None: the model's own)."""
-        return DECODE_VIEW_ATTENTION if self.decode_view else None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Store the new tokens of layer ``layer_idx``; return what attention uses (``KVCacheLayer.update``)."""
-        C.check_int("layer_idx", layer_idx)
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def __repr__(self) -> str:
         labels = sorted({f.label for f in self.formats})

@@ -37,10 +37,13 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["ATTENTION", "NEVER", "DecodeView", "decode_view_attention", "quantized_from"]
+from .. import _checks as C
+
+__all__ = ["ATTENTION", "NEVER", "DecodeView", "DecodeViewCache", "decode_view_attention", "quantized_from"]
 
 ATTENTION = "kvlab-decode-view"
 NEVER = 2**62  # q_j of a token that a decoder always reads exactly
@@ -69,6 +72,38 @@ class DecodeView:
     values: torch.Tensor
     key_from: torch.Tensor
     value_from: torch.Tensor
+
+
+class DecodeViewCache(Cache):
+    """A ``transformers.Cache`` whose layers can hand the decode view over (``KVCache``, ``SimulatedCache``): the
+    ``decode_view`` switch of every layer, the attention implementation it needs, and ``update`` with its layer index
+    checked."""
+
+    @property
+    def decode_view(self) -> bool:
+        """Whether calls attend as token-by-token decoding would (this module); set before the first update."""
+        return self.layers[0].decode_view
+
+    @decode_view.setter
+    def decode_view(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"decode_view must be a bool, got {type(on).__name__}")
+        if on != self.decode_view and self.get_seq_length():
+            raise ValueError("decode_view must be set before the cache holds tokens")
+        for layer in self.layers:
+            layer.decode_view = on
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """The attention implementation a model must use with this cache (None: the model's own)."""
+        return ATTENTION if self.decode_view else None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store the new tokens of layer ``layer_idx``; return what attention uses (the layer's ``update``)."""
+        C.check_int("layer_idx", layer_idx)
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class _Handoff(threading.local):

@@ -5,7 +5,6 @@ reference (``kvlab.hf.cache``)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 

@@ -43,12 +43,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from .. import _checks as C
 from ..calibration import ChannelStats
 from ..centered.reference import CenteredMSECodec
-from ..hf.decode_view import ATTENTION as DECODE_VIEW_ATTENTION, DecodeView, hand_over, quantized_from
+from ..hf.decode_view import DecodeView, DecodeViewCache, hand_over, quantized_from
 from ..reference import MSECodec
 
 __all__ = ["Part", "SimulatedCache", "centered_part", "fp16_part", "mse_part", "pre_rope", "rope_tables", "split_part",
@@ -274,7 +274,7 @@ class _SimulatedLayer(CacheLayerMixin):
         return -1
 
 
-class SimulatedCache(Cache):
+class SimulatedCache(DecodeViewCache):
     """A cache of decoded per-token codes: ``parts`` is one ``(key Part, value Part)`` per layer."""
 
     prefill = "exact"  # its prompt pass is that of a DynamicCache: kvlab.perplexity shares it
@@ -290,32 +290,6 @@ class SimulatedCache(Cache):
                 raise TypeError(f"parts[{i}] must be a (key Part, value Part) pair, got {p!r:.80}")
         self.parts, self.residual, self.sink = list(parts), residual, sink
         super().__init__(layers=[_SimulatedLayer(k, v, residual, sink, i) for i, (k, v) in enumerate(self.parts)])
-
-    @property
-    def decode_view(self) -> bool:
-        """Whether calls attend as token-by-token decoding would (``kvlab.hf.decode_view``); set before the first update."""
-        return self.layers[0].decode_view
-
-    @decode_view.setter
-    def decode_view(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise TypeError(f"decode_view must be a bool, got {type(on).__name__}")
-        if on != self.decode_view and self.get_seq_length():
-            raise ValueError("decode_view must be set before the cache holds tokens")
-        for layer in self.layers:
-            layer.decode_view = on
-
-    @property
-    def attn_implementation(self) -> str | None:
-        """The attention implementation a model must use with this cache (None: the model's own)."""
-        return DECODE_VIEW_ATTENTION if self.decode_view else None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Code the new tokens of layer ``layer_idx``; return what attention uses (see the module docstring)."""
-        C.check_int("layer_idx", layer_idx)
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def held_bits_per_element(self) -> float:
         """Bits per stored K/V element: codes and norms, plus the sink and residual tokens at 16 bits (nan when empty)."""
