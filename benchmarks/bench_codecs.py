@@ -18,7 +18,7 @@ Bytes counted per call are the bytes a kernel must move: its inputs read once pl
 written once (for MSE store that is the fp16 K/V read and the slots written; the rotation GEMM's
 fp32 intermediate is not counted, so its cost shows up as a lower fraction of bandwidth).
 
-    python benchmarks/bench_codecs.py [--sizes 1,4,16] [--out results] [--no-tests | --tests-log FILE] [--only mse|affine|mse_load|mse_store]
+    python -m benchmarks.bench_codecs [--sizes 1,4,16] [--out results] [--no-tests | --tests-log FILE] [--only mse|affine|mse_load|mse_store]
 """
 
 from __future__ import annotations
@@ -26,21 +26,18 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import time
-import sys
 from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import kvlab
+from benchmarks.common import bench_graph, run_tests, write_csv, write_reference_slots
+from benchmarks.baselines import global_scale_affine, one_program_per_vector
 
-import kvlab  # noqa: E402
-from benchmarks.common import bench_graph, run_tests, write_csv, write_reference_slots  # noqa: E402
-from benchmarks.baselines import global_scale_affine, one_program_per_vector  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DIM = 128
 HEADS = 8
@@ -218,7 +215,7 @@ def main():
                 kvlab.store_mse(x16, v16, slots, cache, kc, vc)
             if n_m == order[0] and args.only != "mse_load":
                 sample = slots[:4096]
-                kref, vref = kvlab.reference.read_slots(cache, sample, layout)
+                kref, vref = kvlab.mse.reference.load_slots(cache, sample, layout)
                 checks[f"mse_store_{rot}_b{bits}_bytes_equal"] = bool(
                     torch.equal(kref, kc.encode(x16[:4096])) and torch.equal(vref, vc.encode(v16[:4096]))
                 )
@@ -235,7 +232,7 @@ def main():
             for space in ("rotated", "model"):
                 out = kvlab.load_mse(cache, slots, vc, part="value", space=space)
                 if n_m == order[0]:
-                    ref = vc.decode(kvlab.reference.read_slots(cache, slots[:4096], layout)[1], space=space)
+                    ref = vc.decode(kvlab.mse.reference.load_slots(cache, slots[:4096], layout)[1], space=space)
                     checks[f"mse_load_{rot}_{space}_b{bits}_rel_err"] = rel_err(out[:4096], ref)
                 if rot == "hadamard" and space == "rotated":
                     continue  # the rotated-space load does not depend on the rotation: timed with Haar
@@ -252,13 +249,13 @@ def main():
                 continue
             # baseline: one program per (token, head), same slot layout
             cent = vc.codebook.to(DEV)  # the centroid of each stored code
-            base = one_program_per_vector.unpack_values_rotated(
+            base = one_program_per_vector.load_values_rotated(
                 cache, slots, cent, num_tokens=tokens, num_heads=HEADS, head_dim=DIM,
                 key_packed_size=layout.key_code_bytes, value_bits=bits)
             if n_m == order[0]:
                 checks[f"baseline_mse_load_b{bits}_rel_err_vs_kvlab"] = rel_err(
                     base.view(tokens, HEADS, DIM)[:4096], kvlab.load_mse(cache, slots[:4096], vc, part="value"))
-            ms = bench(lambda: one_program_per_vector.unpack_values_rotated(
+            ms = bench(lambda: one_program_per_vector.load_values_rotated(
                 cache, slots, cent, num_tokens=tokens, num_heads=HEADS, head_dim=DIM,
                 key_packed_size=layout.key_code_bytes, value_bits=bits))
             record("mse_load", "baseline: one program per vector", bits, n, ms, n * layout.value_code_bytes + n * DIM * 2)
@@ -275,26 +272,26 @@ def main():
             x = flat if axis == "token" else by_head
             for bits in (2, 3, 4, 8):
                 gs = 32
-                codes = kvlab.pack_affine(x, bits, gs, axis)
+                codes = kvlab.encode_affine(x, bits, gs, axis)
                 if n_m == order[0]:
                     ref = kvlab.AffineCodec(bits, gs, axis)
                     part = x[:4096] if axis == "token" else x[:, :4096]
                     checks[f"affine_{axis}_b{bits}_bytes_equal"] = bool(
-                        torch.equal(kvlab.pack_affine(part, bits, gs, axis), ref.encode(part)))
-                ms, cfg = tuned(("affine_pack", axis, bits), lambda **c: kvlab.pack_affine(x, bits, gs, axis, check=False, **c))
+                        torch.equal(kvlab.encode_affine(part, bits, gs, axis), ref.encode(part)))
+                ms, cfg = tuned(("affine_pack", axis, bits), lambda **c: kvlab.encode_affine(x, bits, gs, axis, check=False, **c))
                 record("affine_pack", f"{axis} groups of {gs}", bits, n, ms, n * DIM * 2 + codes.numel(), cfg)
-                ms, cfg = tuned(("affine_unpack", axis, bits), lambda **c: kvlab.unpack_affine(codes, bits, gs, axis, DIM, **c))
+                ms, cfg = tuned(("affine_unpack", axis, bits), lambda **c: kvlab.decode_affine(codes, bits, gs, axis, DIM, **c))
                 record("affine_unpack", f"{axis} groups of {gs}", bits, n, ms, codes.numel() + n * DIM * 2, cfg)
                 del codes
 
         # ---- mixed per-head bits, one launch per layer
         alloc = [4, 8] * (HEADS // 2)
         mixed = kvlab.affine.MixedAffineLayout(alloc, DIM, 32)
-        codes = kvlab.affine.pack_affine_mixed(x16, mixed)
+        codes = kvlab.affine.encode_affine_mixed(x16, mixed)
         label = "heads " + "/".join(map(str, alloc[:2])) + "..."
-        ms, cfg = tuned("affine_mixed_pack", lambda **c: kvlab.affine.pack_affine_mixed(x16, mixed, check=False, **c))
+        ms, cfg = tuned("affine_mixed_pack", lambda **c: kvlab.affine.encode_affine_mixed(x16, mixed, check=False, **c))
         record("affine_mixed_pack", label, "mixed", n, ms, n * DIM * 2 + codes.numel(), cfg)
-        ms, cfg = tuned("affine_mixed_unpack", lambda **c: kvlab.affine.unpack_affine_mixed(codes, mixed, **c))
+        ms, cfg = tuned("affine_mixed_unpack", lambda **c: kvlab.affine.decode_affine_mixed(codes, mixed, **c))
         record("affine_mixed_unpack", label, "mixed", n, ms, codes.numel() + n * DIM * 2, cfg)
         del codes, by_head
 

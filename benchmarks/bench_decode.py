@@ -30,7 +30,7 @@ points that do not fit in memory are recorded as skipped.
 ``--splits`` instead times the MSE calls over split counts (``decode_mma_splits.json``: the data behind
 ``kvlab.attention.gluon.default_splits``).
 
-    python benchmarks/bench_decode.py [--out results] [--no-tests | --tests-log FILE] [--quick] [--sweep] [--splits]
+    python -m benchmarks.bench_decode [--out results] [--no-tests | --tests-log FILE] [--quick] [--sweep] [--splits]
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -46,14 +45,13 @@ import torch
 import triton
 from triton.testing import do_bench
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import kvlab
+from benchmarks.common import bench_graph, run_tests, write_csv
+from kvlab.attention.reference import decode_attention_reference
+from kvlab.attention import DecodeLaunch, decode_attention
+from kvlab.layout import AffineSlot
 
-import kvlab  # noqa: E402
-from benchmarks.common import bench_graph, run_tests, write_csv  # noqa: E402
-from kvlab import reference as ref  # noqa: E402
-from kvlab.attention import DecodeLaunch, decode_attention  # noqa: E402
-from kvlab.layout import AffineSlot  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HQ, HKV, DIM, BLOCK = 32, 8, 128, 16
 BATCHES = (1, 8, 32)
@@ -236,12 +234,12 @@ def correctness_checks(codec_list=CODECS):
             if kind == "mse":
                 kvlab.store_mse(key, value, slots, cache, kc, vc)
             elif kind == "centered":
-                kvlab.store_centered_mse(key, value, slots, cache, kc, vc, positions=t)
+                kvlab.centered.store_centered_mse(key, value, slots, cache, kc, vc, positions=t)
             else:
-                kvlab.affine.store_affine_slots(key, value, slots, cache, kc, vc)
+                kvlab.affine.store_affine(key, value, slots, cache, kc, vc)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn(len(lens), HQ, DIM, device="cuda", generator=g, dtype=torch.float16)
-        expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
+        expected = decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
         checks[f"{kind}_k{kb}v{vb}_rel_err"] = rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc), expected)
         if kind == "mse" and (kb, vb) in kvlab.attention.gluon.DEFAULT_BITS:  # the default is the loop of kvlab.attention.gluon; the split loop too
             checks[f"{kind}_k{kb}v{vb}_split_loop_rel_err"] = rel_err(

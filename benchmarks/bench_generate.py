@@ -21,8 +21,8 @@ and the weights; each kvlab figure checked by one decode step at that batch). Al
 prefill (batch 1, 4096 tokens), and checks (the fused path's tokens equal the materialising path's;
 graph replay equals eager; compiled layers against the graph) on a small random model.
 
-    python benchmarks/bench_generate.py --out results --compiled   # -> results/generate.csv, generate.json
-    python benchmarks/bench_generate.py --smoke                # tiny shapes, a quick check of the script
+    python -m benchmarks.bench_generate --out results --compiled   # -> results/generate.csv, generate.json
+    python -m benchmarks.bench_generate --smoke                # tiny shapes, a quick check of the script
 """
 
 from __future__ import annotations
@@ -40,11 +40,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kvlab  # noqa: E402
-from kvlab import KVCache, KVFormat  # noqa: E402
-from kvlab.hf.generation import PagedKVCache, compiled_layers  # noqa: E402
+import kvlab
+from kvlab import KVCache, KVFormat
+from kvlab.hf.generation import PagedKVCache, compiled_layers
 
 FORMATS = {
     "kvlab mse k4v4": KVFormat("mse", 4, 4, rotation="hadamard"),
@@ -103,7 +101,7 @@ def fill_paged(cache: PagedKVCache, context: int) -> None:
             if cache.kind == "mse":
                 kvlab.store_mse(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
             else:
-                kvlab.affine.store_affine_slots(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
+                kvlab.affine.store_affine(k, v, slots, first.cache, cache.key_codec, cache.value_codec, check=False)
     for layer in cache.layers:
         if layer is not first:
             layer.cache.copy_(first.cache)

@@ -13,25 +13,23 @@ Fractions are of the copy bandwidth measured in the same run, over the bytes eac
 ``codec_launch_configs_<only>.csv``); the libraries' default launches are the fastest of these, and
 ``bench_codecs.py`` times every kernel at its default.
 
-    python benchmarks/bench_launch_configs.py [--out results] [--only mse|affine|mse_load] [--vectors 4]
+    python -m benchmarks.bench_launch_configs [--out results] [--only mse|affine|mse_load] [--vectors 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import sys
 from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import kvlab
+from benchmarks.common import write_csv, write_reference_slots
 
-import kvlab  # noqa: E402
-from benchmarks.common import write_csv, write_reference_slots  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 D, H = 128, 8
 
@@ -117,20 +115,20 @@ def main():
     for axis in ("token", "channel") if args.only in (None, "affine") else ():
         xx = flat if axis == "token" else by_head
         for bits in (4, 3, 8, 2):
-            codes = kvlab.pack_affine(xx, bits, 32, axis)
+            codes = kvlab.encode_affine(xx, bits, 32, axis)
             blocks = (4, 8, 16, 32, 64) if axis == "token" else (1, 2, 4, 8)
             configs = [dict(block_rows=br, num_warps=w) for br in blocks for w in (1, 2, 4)]
             timed("affine_pack", f"{axis} groups of 32", bits, configs,
-                  lambda **c: kvlab.pack_affine(xx, bits, 32, axis, check=False, **c), n * D * 2 + codes.numel())
+                  lambda **c: kvlab.encode_affine(xx, bits, 32, axis, check=False, **c), n * D * 2 + codes.numel())
             if axis == "channel" and bits == 3:
                 timed("affine_unpack", "channel groups of 32", bits, [dict(block_rows=br, num_warps=w) for br in blocks for w in (4, 8)],
-                      lambda **c: kvlab.unpack_affine(codes, bits, 32, axis, D, **c), n * D * 2 + codes.numel())
+                      lambda **c: kvlab.decode_affine(codes, bits, 32, axis, D, **c), n * D * 2 + codes.numel())
             del codes
     if args.only in (None, "affine"):
         mixed = kvlab.affine.MixedAffineLayout([4, 8] * (H // 2), D, 32)
-        codes = kvlab.affine.pack_affine_mixed(x, mixed)
+        codes = kvlab.affine.encode_affine_mixed(x, mixed)
         timed("affine_mixed_pack", "heads 4/8...", "mixed", [dict(block_rows=br, num_warps=w) for br in (4, 8, 16, 32) for w in (1, 2, 4)],
-              lambda **c: kvlab.affine.pack_affine_mixed(x, mixed, check=False, **c), n * D * 2 + codes.numel())
+              lambda **c: kvlab.affine.encode_affine_mixed(x, mixed, check=False, **c), n * D * 2 + codes.numel())
 
     print(f"wrote {path}")
 

@@ -1,6 +1,6 @@
 """Decode attention over the transform codec's paged cache against the MSE codec and torch SDPA in fp16 (GPU).
 
-One run: runs the transform codec's kernel, cache and generation tests (``tests/test_transform_*.py``) compiled on this GPU,
+One run: runs the transform codec's kernel, cache and generation tests (``tests/ops/test_transform*.py``) compiled on this GPU,
 checks ``kvlab.transform.attention.decode_attention`` against its reference at a few thousand tokens (and
 refuses to time if that fails), then times one decode step at batch 8 and contexts 8k and 32k for two shapes:
 
@@ -14,8 +14,8 @@ same shape. Times are medians of
 ``do_bench`` called from Python and of ``do_bench_cudagraph`` replays. The caches hold random codes with
 valid fp16 gains in shuffled blocks of 16 tokens.
 
-    python benchmarks/bench_transform.py --out results     # -> transform_decode.csv / .json
-    python benchmarks/bench_transform.py --smoke           # tiny shapes, any device (Triton's interpreter on a CPU)
+    python -m benchmarks.bench_transform --out results     # -> transform_decode.csv / .json
+    python -m benchmarks.bench_transform --smoke           # tiny shapes, any device (Triton's interpreter on a CPU)
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # --smoke on a CPU: before triton is imported
-import triton  # noqa: E402
+import triton
+
+from kvlab import RoPE
+from kvlab.transform import TransformCodec
+from kvlab.transform import reference as R
+from kvlab.transform.attention import decode_attention
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kvlab import RoPE  # noqa: E402
-from kvlab.transform import TransformCodec  # noqa: E402
-from kvlab.transform import reference as R  # noqa: E402
-from kvlab.transform.attention import decode_attention  # noqa: E402
 
 SHAPES = {  # name: (KV heads, query heads, head dim, groups)
     "SmolLM2-135M layer (joint transform)": (3, 9, 64, 1),
@@ -110,8 +109,8 @@ def main() -> int:
     from benchmarks.common import bench_graph, run_tests, write_csv
     from kvlab.attention import decode_attention as mse_decode
 
-    tests = run_tests(["tests/test_transform_attention.py", "tests/test_transform_kernels.py",
-                       "tests/test_transform_cache.py", "tests/test_transform_generate.py"], args.tests_log)
+    tests = run_tests(["tests/ops/test_transform_attention.py", "tests/ops/test_transform.py",
+                       "tests/ops/test_transform_cache.py", "tests/ops/test_transform_generate.py"], args.tests_log)
     print("tests:", tests["summary"], flush=True)
     err = check("cuda")
     print(f"check: relative error {err:.2e}", flush=True)
@@ -191,7 +190,7 @@ def main() -> int:
         r["gb_per_s"] = round(r["bytes"] / t / 1e6, 1)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python benchmarks/bench_transform.py" + "".join(f" {a}" for a in sys.argv[1:]),
+            "command": "python -m benchmarks.bench_transform" + "".join(f" {a}" for a in sys.argv[1:]),
             "copy_gb_per_s": round(bandwidth, 1), "check_rel_err": err, "tests": tests["summary"]}
     if args.out:
         out = Path(args.out)

@@ -71,4 +71,4 @@ def write_reference_slots(cache, slots, key_codec, value_codec, keys, values, la
 
     for i in range(0, slots.shape[0], chunk):
         s = slice(i, i + chunk)
-        kvlab.reference.write_slots(cache, slots[s], key_codec.encode(keys[s]), value_codec.encode(values[s]), layout)
+        kvlab.mse.reference.store_slots(cache, slots[s], key_codec.encode(keys[s]), value_codec.encode(values[s]), layout)

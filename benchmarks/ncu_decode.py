@@ -8,9 +8,9 @@ heads, head dim 128, the caches of ``bench_decode.py``). The calls run in the or
 call is its main one::
 
     ncu --clock-control none --profile-from-start off --section WarpStateStats --section SchedulerStats \\
-        --section Occupancy --section SpeedOfLight --metrics $(python benchmarks/ncu_decode.py --metrics) \\
-        --csv --page details python benchmarks/ncu_decode.py > ncu.csv
-    python benchmarks/ncu_decode.py --summarise ncu.csv --out results/decode_attention_ncu.json
+        --section Occupancy --section SpeedOfLight --metrics $(python -m benchmarks.ncu_decode --metrics) \\
+        --csv --page details python -m benchmarks.ncu_decode > ncu.csv
+    python -m benchmarks.ncu_decode --summarise ncu.csv --out results/decode_attention_ncu.json
 
 ``results/decode_attention_ncu.csv.gz`` is the committed run's ncu output; ``--summarise`` reads it too
 (``--run-from`` the committed JSON to keep the run's device, versions and date).
@@ -23,11 +23,9 @@ import csv
 import datetime as dt
 import io
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # (name, codec, key bits, value bits, launch arguments beyond the defaults); one call = 8 * 8 * 32768 keys and KV heads
 CONFIGS = [

@@ -7,9 +7,9 @@ with ``--profile-from-start off``: every load is compiled and run once first, th
 ``cudaProfilerStop``, at 4M vectors of dim 128 in 8 heads, slots shuffled as in ``bench_codecs.py``::
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
-        --metrics $(python benchmarks/ncu_load.py --metrics) --csv --page details \\
-        python benchmarks/ncu_load.py > ncu.csv
-    python benchmarks/ncu_load.py --summarise ncu.csv --out results/codec_load_ncu.json
+        --metrics $(python -m benchmarks.ncu_load --metrics) --csv --page details \\
+        python -m benchmarks.ncu_load > ncu.csv
+    python -m benchmarks.ncu_load --summarise ncu.csv --out results/codec_load_ncu.json
 
 ``results/codec_load_ncu.csv.gz`` is the committed run's ncu output; ``--summarise`` reads it too
 (``--run-from`` a JSON written on that GPU keeps its device and versions).
@@ -18,13 +18,11 @@ with ``--profile-from-start off``: every load is compiled and run once first, th
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.ncu_decode import main, read_launches, run_info
 
-from benchmarks.ncu_decode import main, read_launches, run_info  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DIM, HEADS, VECTORS, BITS = 128, 8, 4 << 20, (2, 3, 4)
 CONFIGS = [("value", "rotated"), ("key", "rotated"), ("value", "model")]  # (part, space), in launch order per width

@@ -5,9 +5,9 @@ one call (two launches: the keys, the values) runs between ``cudaProfilerStart``
 ``cudaProfilerStop``, at 4M vectors of dim 128 in 8 heads, fp16 input, 4-bit keys and values::
 
     ncu --clock-control none --profile-from-start off --section WarpStateStats --section SchedulerStats \\
-        --section Occupancy --section SpeedOfLight --metrics $(python benchmarks/ncu_store.py --metrics) \\
-        --csv --page details python benchmarks/ncu_store.py > ncu.csv
-    python benchmarks/ncu_store.py --summarise ncu.csv --out results/codec_store_ncu.json
+        --section Occupancy --section SpeedOfLight --metrics $(python -m benchmarks.ncu_store --metrics) \\
+        --csv --page details python -m benchmarks.ncu_store > ncu.csv
+    python -m benchmarks.ncu_store --summarise ncu.csv --out results/codec_store_ncu.json
 
 ``results/codec_store_ncu.csv.gz`` is the committed run's ncu output (the Triton kernel, before the Gluon kernel of
 ``kvlab.mse.gluon_store`` ran by default), ``results/codec_store_ncu_gluon.csv.gz`` the Gluon kernel's; ``--summarise``
@@ -17,13 +17,11 @@ reads them too (``--run-from`` a JSON written on that GPU keeps its device and v
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.ncu_decode import main, read_launches, run_info
 
-from benchmarks.ncu_decode import main, read_launches, run_info  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DIM, HEADS, BITS, VECTORS = 128, 8, 4, 4 << 20
 # pipes' use (% of peak over the active cycles), issue slots, L1 traffic, instructions

@@ -16,7 +16,7 @@ global loads and stores by width, the bytes the program must move (what ``bench_
 ``bench_decode.py`` count, divided by the programs of the launch), and the issue ceiling: the
 bandwidth at which the SMs would issue one warp instruction every clock (4 per SM, 132 SMs, 1.98 GHz).
 
-    python benchmarks/sass_profile.py [--out profile.json] [--only affine,mse,decode]
+    python -m benchmarks.sass_profile [--out profile.json] [--only affine,mse,decode]
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ def _record(out: str, only: set[str]) -> None:
     import torch
     import triton.runtime.interpreter as interp
 
-    sys.path.insert(0, str(ROOT))
     import kvlab
 
     launches = []
@@ -122,9 +121,9 @@ def _record(out: str, only: set[str]) -> None:
     if "affine" in only:
         for axis in ("token", "channel"):
             for bits in (2, 3, 4, 8):
-                codes = case(f"affine_pack {axis}", bits, lambda: kvlab.pack_affine(x, bits, 32, axis, check=False),
+                codes = case(f"affine_pack {axis}", bits, lambda: kvlab.encode_affine(x, bits, 32, axis, check=False),
                              lambda codes: x.numel() * 2 + codes.numel())
-                case(f"affine_unpack {axis}", bits, lambda: kvlab.unpack_affine(codes, bits, 32, axis, DIM),
+                case(f"affine_unpack {axis}", bits, lambda: kvlab.decode_affine(codes, bits, 32, axis, DIM),
                      codes.numel() + x.numel() * 2)
     if "mse" in only:
         from kvlab.mse import gluon_load as mse_mma, gluon_store as mse_store
@@ -339,10 +338,10 @@ def main(argv=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         rec = Path(tmp) / "launches.json"
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-        subprocess.run([sys.executable, __file__, "--record-to", str(rec), "--only", args.only], env=env, check=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.sass_profile", "--record-to", str(rec), "--only", args.only],
+                       env=env, cwd=ROOT, check=True)
         launches = json.loads(rec.read_text())
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, str(ROOT))
     rows = [profile(launch) for launch in launches]
     import triton
 

@@ -71,7 +71,7 @@ def check_kernel_device(name: str, x: torch.Tensor) -> None:
         raise ValueError(
             f"{name} is on {x.device}, but kvlab's Triton kernels run on CUDA devices; move the tensors to "
             "CUDA, or set TRITON_INTERPRET=1 before triton is imported to run them on the CPU "
-            "(kvlab.reference encodes on any device)"
+            "(the reference codecs, e.g. kvlab.MSECodec, encode on any device)"
         )
 
 
@@ -191,7 +191,7 @@ def check_codes(name: str, codes, bits: int) -> torch.Tensor:
 # A paged cache is a plain uint8 tensor. The launchers that write codes into it record the identity of the
 # key and value codecs that wrote it (keyed by its storage); a checked read with codecs of another identity
 # (other bits in a slot of the same size, another rotation or seed) is an error instead of wrong numbers.
-# A write of codes whose codecs are not known (``kvlab.reference.write_slots``) forgets the record.
+# A write of codes whose codecs are not known (``kvlab.mse.reference.store_slots``) forgets the record.
 _WRITERS: dict = {}
 
 

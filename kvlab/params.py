@@ -2,8 +2,8 @@
 
 ``MSEParams`` (bits, dim, rotation, centroids and boundaries), ``AffineParams`` (bits, group size, axis)
 and ``CenteredParams`` (an MSE codec plus per-head mean and scale) are small classes that build and check
-the parameters once. The pure-torch codecs (``kvlab.reference.MSECodec``,
-``kvlab.reference.AffineCodec``, ``kvlab.centered.reference.CenteredMSECodec``) subclass them with
+the parameters once. The pure-torch codecs (``kvlab.mse.reference.MSECodec``,
+``kvlab.affine.reference.AffineCodec``, ``kvlab.centered.reference.CenteredMSECodec``) subclass them with
 ``encode``/``decode``; the kernels recognise a codec by its parameter class and never import a reference.
 """
 

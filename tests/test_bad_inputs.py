@@ -12,7 +12,6 @@ indices, fp16 parts, atomic updates, parts), sweep inputs that crashed, hung or 
 that waited for the runs in flight, the locale), perplexity's ids, window and cache factory.
 """
 
-import copy
 import csv
 import json
 import math
@@ -31,7 +30,8 @@ import kvlab
 from kvlab import sweep as S
 from kvlab.sweep import api as SA, executors as SX, run as SR
 from kvlab.hf.cache import KVCache, KVFormat
-from kvlab.reference import decode_attention_reference, read_slots, write_slots
+from kvlab.attention.reference import decode_attention_reference
+from kvlab.mse.reference import load_slots, store_slots
 
 NOTEBOOK = Path(__file__).parent / "data" / "sweep_point.ipynb"
 DIM, HEADS = 64, 2
@@ -399,7 +399,7 @@ def test_reading_with_the_writing_codecs_is_correct():
     kc, vc = kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3)
     cache, slots = _written_cache(kc, vc)
     got = kvlab.load_mse(cache, slots, kvlab.MSECodec(DIM, 4), part="key", space="model", out_dtype=torch.float32)
-    k_codes, _ = read_slots(cache, slots, kvlab.MSESlot(DIM, 4, 3))
+    k_codes, _ = load_slots(cache, slots, kvlab.MSESlot(DIM, 4, 3))
     assert torch.allclose(got, kc.decode(k_codes), rtol=1e-5, atol=1e-6)
 
 
@@ -416,7 +416,7 @@ def test_codes_written_by_the_reference_are_not_vouched_for():
     cache, slots = _written_cache(kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3))
     other_k, other_v = kvlab.MSECodec(DIM, 3), kvlab.MSECodec(DIM, 4)  # same slot size
     x = torch.randn(5, HEADS, DIM).to(DEVICE)
-    write_slots(cache, slots, other_k.encode(x), other_v.encode(x), kvlab.MSESlot(DIM, 3, 4))
+    store_slots(cache, slots, other_k.encode(x), other_v.encode(x), kvlab.MSESlot(DIM, 3, 4))
     got = kvlab.load_mse(cache, slots, other_k, part="key", space="model", out_dtype=torch.float32)
     assert torch.allclose(got, other_k.decode(other_k.encode(x)), rtol=1e-5, atol=1e-6)
 
@@ -435,7 +435,7 @@ def _decode_setup(tokens=20, kind="mse"):
     else:
         kc = vc = kvlab.AffineCodec(4, 32)
         cache = torch.zeros(2, 16, HEADS, kvlab.layout.AffineSlot(DIM, 4, 4, 32).slot_bytes, dtype=torch.uint8, device=DEVICE)
-        kvlab.affine.store_affine_slots(k, v, slots, cache, kc, vc)
+        kvlab.affine.store_affine(k, v, slots, cache, kc, vc)
     table, lens = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE), torch.tensor([tokens], device=DEVICE)
     return cache, kc, vc, table, lens
 
@@ -489,7 +489,7 @@ def test_checked_decode_names_the_bad_argument(table, lens, match):
 ])
 def test_pack_indices_refuses_what_it_cannot_represent(idx, bits, error, match):
     with pytest.raises(error, match=match):
-        kvlab.reference.pack_indices(idx, bits)
+        kvlab.packing.pack_indices(idx, bits)
 
 
 @pytest.mark.parametrize("packed, n, error, match", [
@@ -500,14 +500,14 @@ def test_pack_indices_refuses_what_it_cannot_represent(idx, bits, error, match):
 ])
 def test_unpack_indices_refuses_mismatched_lengths(packed, n, error, match):
     with pytest.raises(error, match=match):
-        kvlab.reference.unpack_indices(packed, 4, n)
+        kvlab.packing.unpack_indices(packed, 4, n)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_unpack_round_trip_at_the_edges(bits):
     idx = torch.tensor([0, (1 << bits) - 1, 1, (1 << bits) - 2, 0])
-    assert torch.equal(kvlab.reference.unpack_indices(kvlab.reference.pack_indices(idx, bits), bits, 5), idx)
-    assert kvlab.reference.unpack_indices(kvlab.reference.pack_indices(idx[:0], bits), bits, 0).shape == (0,)
+    assert torch.equal(kvlab.packing.unpack_indices(kvlab.packing.pack_indices(idx, bits), bits, 5), idx)
+    assert kvlab.packing.unpack_indices(kvlab.packing.pack_indices(idx[:0], bits), bits, 0).shape == (0,)
 
 
 @pytest.mark.parametrize("dim, bits, match", [
@@ -568,12 +568,12 @@ def test_affine_groups_decoding_to_zeros_are_errors_reference_and_kernel_alike(a
     with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
         codec.encode(x)
     with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
-        kvlab.pack_affine(x, 4, 32, axis)
+        kvlab.encode_affine(x, 4, 32, axis)
     # zeros are exact, and a subnormal scale (range 3e-6) decodes to the right values
     zeros = torch.zeros(32, DIM, device=DEVICE)
-    assert torch.equal(kvlab.pack_affine(zeros, 4, 32, axis), codec.encode(zeros))
+    assert torch.equal(kvlab.encode_affine(zeros, 4, 32, axis), codec.encode(zeros))
     small = (torch.rand(32, DIM) * 3e-6).to(DEVICE)
-    codes = kvlab.pack_affine(small, 4, 32, axis)
+    codes = kvlab.encode_affine(small, 4, 32, axis)
     assert torch.equal(codes, codec.encode(small))
     assert float((codec.decode(codes, DIM) - small).norm() / small.norm()) < 0.2  # not zeros (error 1.0)
 
@@ -583,7 +583,7 @@ def test_mixed_affine_groups_decoding_to_zeros_are_errors():
     x = torch.randn(3, 2, DIM).to(DEVICE)
     x[1, 1, 32:] = 1e-9
     with pytest.raises(ValueError, match="scale and zero both underflow to 0"):
-        kvlab.affine.pack_affine_mixed(x, layout)
+        kvlab.affine.encode_affine_mixed(x, layout)
 
 
 def test_store_mse_tiny_vectors_are_an_error_and_the_cache_is_unchanged():
@@ -618,7 +618,7 @@ def _centered_cache(tokens=5):
     k = torch.randn(tokens, HEADS, DIM, generator=g) + kc.mean
     v = torch.randn(tokens, HEADS, DIM, generator=g)
     cache, slots = paged(4, 4, blocks=1), torch.arange(tokens, device=DEVICE)
-    kvlab.store_centered_mse(k.to(DEVICE), v.to(DEVICE), slots, cache, kc, vc)
+    kvlab.centered.store_centered_mse(k.to(DEVICE), v.to(DEVICE), slots, cache, kc, vc)
     return cache, slots, k, vc
 
 
@@ -634,7 +634,7 @@ def test_centered_cache_read_with_other_statistics_is_an_error(reader, match):
     q = torch.randn(1, HEADS, DIM).half().to(DEVICE)
     table, lens = torch.tensor([[0]], dtype=torch.int32, device=DEVICE), torch.tensor([5], device=DEVICE)
     calls = [
-        lambda: kvlab.load_centered_mse(cache, slots, codec, positions=slots.cpu()),
+        lambda: kvlab.centered.load_centered_mse(cache, slots, codec, positions=slots.cpu()),
         lambda: kvlab.decode_attention(q, cache, table, lens, codec, vc),
         lambda: kvlab.prefill_attention(q[:, None], cache, table, lens, codec, vc),
     ]
@@ -650,14 +650,14 @@ def test_centered_and_plain_codes_are_not_read_as_each_other():
         kvlab.load_mse(cache, slots, kvlab.MSECodec(DIM, 4), part="key", space="model")
     plain, plain_slots = _written_cache(kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3))
     with pytest.raises(ValueError, match=r"codec must be the codec that wrote this cache, mse\(dim=64, bits=4.*got centered"):
-        kvlab.load_centered_mse(plain, plain_slots, _centered())
+        kvlab.centered.load_centered_mse(plain, plain_slots, _centered())
 
 
 def test_centered_cache_read_with_its_statistics_is_correct():
     cache, slots, k, vc = _centered_cache()
     same = _centered()  # another object, built from the same statistics
     assert same.stats_fingerprint == _centered().stats_fingerprint != _centered(seed=1).stats_fingerprint
-    got = kvlab.load_centered_mse(cache, slots, same, out_dtype=torch.float32).cpu()
+    got = kvlab.centered.load_centered_mse(cache, slots, same, out_dtype=torch.float32).cpu()
     assert float((got - k).norm() / k.norm()) < 0.15  # the codec's error at 4 bits
     q = torch.randn(1, HEADS, DIM).half().to(DEVICE)
     table, lens = torch.tensor([[0]], dtype=torch.int32, device=DEVICE), torch.tensor([5], device=DEVICE)

@@ -19,7 +19,7 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode 
 def smoke(tmp_path, only):
     """Run ``bench_codecs.py --smoke --only only`` into ``tmp_path``: its CSV rows and its JSON."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "benchmarks/bench_codecs.py", "--smoke", "--sizes", "1", "--only", only,
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_codecs", "--smoke", "--sizes", "1", "--only", only,
                     "--out", str(tmp_path)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
     rows = list(csv.DictReader(open(tmp_path / f"codec_kernels_{only}.csv")))
     return rows, json.loads((tmp_path / f"codec_kernels_{only}.json").read_text())
@@ -62,14 +62,14 @@ def test_bench_codecs_smoke_mse_store(tmp_path):
 
 def test_ncu_store_summary_reads_the_committed_run(tmp_path):
     out = tmp_path / "ncu.json"
-    subprocess.run([sys.executable, "benchmarks/ncu_store.py", "--summarise", "results/codec_store_ncu.csv.gz", "--out", str(out),
+    subprocess.run([sys.executable, "-m", "benchmarks.ncu_store", "--summarise", "results/codec_store_ncu.csv.gz", "--out", str(out),
                     "--run-from", "results/codec_store_ncu.json"], cwd=ROOT, check=True, capture_output=True, timeout=300)
     assert json.loads(out.read_text()) == json.loads((ROOT / "results" / "codec_store_ncu.json").read_text())
 
 
 def test_ncu_load_summary_reads_the_committed_run(tmp_path):
     out = tmp_path / "ncu.json"
-    subprocess.run([sys.executable, "benchmarks/ncu_load.py", "--summarise", "results/codec_load_ncu.csv.gz", "--out", str(out),
+    subprocess.run([sys.executable, "-m", "benchmarks.ncu_load", "--summarise", "results/codec_load_ncu.csv.gz", "--out", str(out),
                     "--run-from", "results/codec_load_ncu.json"], cwd=ROOT, check=True, capture_output=True, timeout=300)
     assert json.loads(out.read_text()) == json.loads((ROOT / "results" / "codec_load_ncu.json").read_text())
 
@@ -77,7 +77,7 @@ def test_ncu_load_summary_reads_the_committed_run(tmp_path):
 @CPU_ONLY
 def test_bench_transform_smoke():
     """bench_transform.py --smoke: the transform decode against its reference at tiny shapes, both key modes."""
-    proc = subprocess.run([sys.executable, "benchmarks/bench_transform.py", "--smoke"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_transform", "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "relative error" in proc.stdout

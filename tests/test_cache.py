@@ -5,7 +5,8 @@ import torch
 
 from kvlab.hf.cache import KVCache, KVFormat
 from kvlab.layout import MSESlot
-from kvlab.reference import AffineCodec, MSECodec, read_slots
+from kvlab.affine.reference import AffineCodec
+from kvlab.mse.reference import MSECodec, load_slots
 
 B, H, D = 2, 3, 64
 
@@ -84,7 +85,7 @@ def test_stores_codes_and_returns_their_decoding(fmt):
     if fmt.codec == "mse":
         assert layer.mse.cache.dtype == torch.uint8
         slots = layer.mse._slots(0, 64)
-        kc, vc = read_slots(layer.mse.cache, slots, MSESlot(D, fmt.key_bits, fmt.value_bits))
+        kc, vc = load_slots(layer.mse.cache, slots, MSESlot(D, fmt.key_bits, fmt.value_bits))
         k_ref = MSECodec(D, fmt.key_bits, rotation=fmt.rotation).decode(kc).reshape(B, 64, H, D).transpose(1, 2)
         assert torch.equal(k_out, k_ref)
         assert torch.equal(kc, MSECodec(D, fmt.key_bits, rotation=fmt.rotation).encode(k.transpose(1, 2).reshape(-1, H, D)))

@@ -38,13 +38,13 @@ CASES = [
     ("affine tokens vs group", lambda: kvlab.AffineCodec(4, 32, "channel").encode(torch.ones(40, 64)), ValueError, "token dimension"),
     ("affine range overflows fp16", lambda: kvlab.AffineCodec(4, 32).encode(torch.tensor([[-7e4] + [7e4] * 31])), ValueError, "overflows fp16"),
     ("affine NaN", lambda: kvlab.AffineCodec(4, 32).encode(torch.full((1, 32), float("nan"))), ValueError, "NaN"),
-    ("cache wrong dtype", lambda: kvlab.reference.write_slots(_cache().float(), torch.arange(3), _codes(), _codes(), LAYOUT), TypeError, "cache"),
-    ("cache wrong slot bytes", lambda: kvlab.reference.write_slots(_cache()[..., :-1], torch.arange(3), _codes(), _codes(), LAYOUT), ValueError, "cache must have shape"),
-    ("slot out of range", lambda: kvlab.reference.write_slots(_cache(), torch.tensor([0, 1, 8]), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping values"),
-    ("slot below -1", lambda: kvlab.reference.write_slots(_cache(), torch.tensor([0, 1, -2]), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping values"),
-    ("slot_mapping float", lambda: kvlab.reference.write_slots(_cache(), torch.zeros(3), _codes(), _codes(), LAYOUT), TypeError, "slot_mapping"),
-    ("slot_mapping length", lambda: kvlab.reference.write_slots(_cache(), torch.arange(2), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping must have shape"),
-    ("codes heads mismatch", lambda: kvlab.reference.write_slots(_cache(), torch.arange(3), _codes(heads=3), _codes(heads=3), LAYOUT), ValueError, "key_codes"),
+    ("cache wrong dtype", lambda: kvlab.mse.reference.store_slots(_cache().float(), torch.arange(3), _codes(), _codes(), LAYOUT), TypeError, "cache"),
+    ("cache wrong slot bytes", lambda: kvlab.mse.reference.store_slots(_cache()[..., :-1], torch.arange(3), _codes(), _codes(), LAYOUT), ValueError, "cache must have shape"),
+    ("slot out of range", lambda: kvlab.mse.reference.store_slots(_cache(), torch.tensor([0, 1, 8]), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping values"),
+    ("slot below -1", lambda: kvlab.mse.reference.store_slots(_cache(), torch.tensor([0, 1, -2]), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping values"),
+    ("slot_mapping float", lambda: kvlab.mse.reference.store_slots(_cache(), torch.zeros(3), _codes(), _codes(), LAYOUT), TypeError, "slot_mapping"),
+    ("slot_mapping length", lambda: kvlab.mse.reference.store_slots(_cache(), torch.arange(2), _codes(), _codes(), LAYOUT), ValueError, "slot_mapping must have shape"),
+    ("codes heads mismatch", lambda: kvlab.mse.reference.store_slots(_cache(), torch.arange(3), _codes(heads=3), _codes(heads=3), LAYOUT), ValueError, "key_codes"),
 ]
 
 
@@ -58,8 +58,8 @@ KERNEL_CALLS = [
     ("store_mse", lambda: kvlab.store_mse(torch.randn(3, 2, 64), torch.randn(3, 2, 64), torch.arange(3), _cache(),
                                           kvlab.MSECodec(64, 4), kvlab.MSECodec(64, 4)), "cache is on cpu"),
     ("load_mse", lambda: kvlab.load_mse(_cache(), torch.arange(3), kvlab.MSECodec(64, 4)), "cache is on cpu"),
-    ("pack_affine", lambda: kvlab.pack_affine(torch.randn(4, 64), 4, 32), "x is on cpu"),
-    ("unpack_affine", lambda: kvlab.unpack_affine(torch.zeros(4, 40, dtype=torch.uint8), 4, 32, "token", 64), "codes is on cpu"),
+    ("encode_affine", lambda: kvlab.encode_affine(torch.randn(4, 64), 4, 32), "x is on cpu"),
+    ("decode_affine", lambda: kvlab.decode_affine(torch.zeros(4, 40, dtype=torch.uint8), 4, 32, "token", 64), "codes is on cpu"),
 ]
 
 

@@ -249,8 +249,8 @@ def test_replay_reads_the_same_codes_both_ways():
                                  KVFormat("affine", 4, 4), KVFormat("affine", 8, 8)], ids=lambda f: f.label)
 def test_decode_step_equals_the_functions(fmt):
     """A layer's decode step (stores and attention prepared once, then replayed) writes the bytes of
-    store_mse / store_affine_slots and returns decode_attention's output, step after step."""
-    from kvlab.affine import store_affine_slots
+    store_mse / store_affine and returns decode_attention's output, step after step."""
+    from kvlab.affine import store_affine
     from kvlab.attention import decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU: Triton's interpreter
@@ -268,7 +268,7 @@ def test_decode_step_equals_the_functions(fmt):
         expected = layer.cache.clone()
         slots = cache.first_slot + layer.seq_lens
         rows = lambda x: x.transpose(1, 2).reshape(batch, kv_heads, dim)
-        store = kvlab.store_mse if cache.kind == "mse" else store_affine_slots
+        store = kvlab.store_mse if cache.kind == "mse" else store_affine
         store(rows(k), rows(v), slots, expected, cache.key_codec, cache.value_codec, check=False)
         layer.store(k, v, None)
         assert torch.equal(layer.cache, expected)

@@ -7,7 +7,7 @@ import torch
 
 import kvlab
 from kvlab.layout import code_order
-from kvlab.reference import fp16_bytes, fp16_from_bytes
+from kvlab.packing import fp16_bytes, fp16_from_bytes
 
 
 def rel_err(a, b):
@@ -18,18 +18,18 @@ def rel_err(a, b):
 @pytest.mark.parametrize("n", [1, 7, 63, 128, 130])
 def test_pack_roundtrip(bits, n):
     idx = torch.randint(0, 2**bits, (5, n))
-    packed = kvlab.reference.pack_indices(idx, bits)
+    packed = kvlab.packing.pack_indices(idx, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (5, kvlab.layout.packed_bytes(n, bits))
-    assert torch.equal(kvlab.reference.unpack_indices(packed, bits, n), idx)
+    assert torch.equal(kvlab.packing.unpack_indices(packed, bits, n), idx)
 
 
 def test_pack_byte_layout():
     # 4 bit: low nibble first; 2 bit: four per byte from the low bits; 3 bit: bit stream, j at bit 3j.
-    assert kvlab.reference.pack_indices(torch.tensor([1, 2, 15, 0]), 4).tolist() == [0x21, 0x0F]
-    assert kvlab.reference.pack_indices(torch.tensor([1, 2, 3, 0, 3]), 2).tolist() == [0b00111001, 0b11]
+    assert kvlab.packing.pack_indices(torch.tensor([1, 2, 15, 0]), 4).tolist() == [0x21, 0x0F]
+    assert kvlab.packing.pack_indices(torch.tensor([1, 2, 3, 0, 3]), 2).tolist() == [0b00111001, 0b11]
     # 3 bit: [5, 6, 7] -> bits 101 110 111 -> stream (LSB first) 0b111_110_101 -> bytes 0xF5, 0x01
-    assert kvlab.reference.pack_indices(torch.tensor([5, 6, 7]), 3).tolist() == [0xF5, 0x01]
-    assert kvlab.reference.pack_indices(torch.tensor([7] * 8), 3).tolist() == [0xFF, 0xFF, 0xFF]
+    assert kvlab.packing.pack_indices(torch.tensor([5, 6, 7]), 3).tolist() == [0xF5, 0x01]
+    assert kvlab.packing.pack_indices(torch.tensor([7] * 8), 3).tolist() == [0xFF, 0xFF, 0xFF]
 
 
 def testfp16_bytes_little_endian():
@@ -63,7 +63,7 @@ def test_mse_code_layout_and_norm():
     assert torch.equal(plain.encode(x)[..., :64], codes[..., :64])
     norms = fp16_from_bytes(plain.encode(x)[..., 64:])
     assert torch.equal(norms, x.norm(dim=-1).half())
-    length = codec.codebook[kvlab.reference.unpack_indices(codes[..., :64], 4, 128)].double().square().sum(-1).sqrt().float()
+    length = codec.codebook[kvlab.packing.unpack_indices(codes[..., :64], 4, 128)].double().square().sum(-1).sqrt().float()
     assert torch.equal(fp16_from_bytes(codes[..., 64:]), (x.norm(dim=-1) / length).half())
     # rotated and model space agree through the rotation; norm correction keeps the norm (fp16 rounding)
     rot = codec.decode(codes, space="rotated")
@@ -98,12 +98,12 @@ def test_mse_quantizer_is_odd_and_nearest(bits):
     codec = kvlab.MSECodec(dim, bits, rotation="haar")
     codec.rotation = torch.eye(dim)  # quantize x itself
     x = torch.randn(500, dim)
-    idx = kvlab.reference.unpack_indices(codec.encode(x)[..., : codec.index_bytes], bits, dim)
+    idx = kvlab.packing.unpack_indices(codec.encode(x)[..., : codec.index_bytes], bits, dim)
     u = x / x.double().norm(dim=-1, keepdim=True).float()
     dist = (u.unsqueeze(-1) - codec.codebook).abs()
     assert torch.equal(dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1), dist.min(-1).values)
     assert torch.equal((codec.codebook[idx] > 0), u > 0)  # the top bit is the sign
-    mirrored = kvlab.reference.unpack_indices(codec.encode(-x)[..., : codec.index_bytes], bits, dim)
+    mirrored = kvlab.packing.unpack_indices(codec.encode(-x)[..., : codec.index_bytes], bits, dim)
     assert torch.equal(mirrored, idx ^ (1 << (bits - 1)))
 
 
@@ -180,13 +180,13 @@ def test_paged_write_read(key_bits, value_bits):
     cache = torch.full((num_blocks, block_size, heads, layout.slot_bytes), 0xAB, dtype=torch.uint8)
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     slots[[3, 20]] = -1
-    kvlab.reference.write_slots(cache, slots, kc.encode(k), vc.encode(v), layout)
+    kvlab.mse.reference.store_slots(cache, slots, kc.encode(k), vc.encode(v), layout)
     # the slot layout: key indices | key norm | value indices | value norm
     blk, off = divmod(int(slots[0]), block_size)
     slot = cache[blk, off, 1]
     assert torch.equal(slot[: layout.key_bytes], kc.encode(k[0, 1])[: layout.key_bytes])
     assert torch.equal(slot[layout.value_offset : layout.value_norm_offset], vc.encode(v[0, 1])[: layout.value_bytes])
-    k_read, v_read = kvlab.reference.read_slots(cache, slots, layout)
+    k_read, v_read = kvlab.mse.reference.load_slots(cache, slots, layout)
     keep = slots >= 0
     assert torch.equal(k_read[keep], kc.encode(k)[keep]) and torch.equal(v_read[keep], vc.encode(v)[keep])
     assert int((k_read[~keep]).sum()) == 0

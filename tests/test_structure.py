@@ -68,7 +68,12 @@ def _is_backend(module: str) -> bool:
 
 
 def _is_reference(module: str) -> bool:
-    return module.rpartition(".")[2] == "reference"
+    """An oracle: an op's ``reference`` module, and the pure-torch bit packing they share."""
+    return module.rpartition(".")[2] == "reference" or module == "kvlab.packing"
+
+
+OPS = sorted(p.parent.name for p in ROOT.glob("*/api.py") if p.parent.name not in ("hf", "sweep", "study"))
+TESTS = ROOT.parent / "tests" / "ops"
 
 
 def test_import_graph_has_no_circle():
@@ -111,3 +116,15 @@ def test_no_module_imports_private_names():
 def test_modules_stay_readable():
     big = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES and m not in LARGE}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_has_its_api_reference_and_test(op):
+    """An op is a folder: its api (checks, then dispatch), its oracle, and tests/ops/test_<op>.py."""
+    folder = ROOT / op
+    assert (folder / "api.py").exists() and (folder / "reference.py").exists(), f"kvlab/{op}/ needs api.py and reference.py"
+    assert (TESTS / f"test_{op}.py").exists(), f"tests/ops/test_{op}.py is missing"
+
+
+def test_the_ops():
+    assert OPS == ["affine", "attention", "centered", "mse", "transform"], OPS

@@ -5,13 +5,13 @@
 
 Two shapes are needed, mirroring the two paths in vLLM's TurboQuant backend:
 
-``unpack_values_rotated``
+``load_values_rotated``
     Reads the packed indices and the fp16 norm and returns value vectors in
     *rotated* space.  This is what the fused decode kernel accumulates against:
     the attention weight carries the norm and the whole output is rotated back
     once, so no cached vector is ever rotated individually.
 
-``unpack_values_model_space``
+``load_values_model_space``
     The materialising form used by the continuation-prefill path, where the
     inverse rotation is one batched GEMM over the whole dequantised tensor.
 
@@ -103,7 +103,7 @@ def _zenit_unpack_values(
     tl.store(Out_ptr + pid * D + d_offs, (unit * vec_norm).to(tl.float16), mask=d_mask)
 
 
-def unpack_values_rotated(
+def load_values_rotated(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     centroids: torch.Tensor,
@@ -144,7 +144,7 @@ def unpack_values_rotated(
     return out
 
 
-def unpack_values_model_space(
+def load_values_model_space(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     centroids: torch.Tensor,
@@ -152,7 +152,7 @@ def unpack_values_model_space(
     **kwargs,
 ) -> torch.Tensor:
     """Materialising form: one batched GEMM undoes the rotation for everyone."""
-    rotated = unpack_values_rotated(kv_cache, slot_mapping, centroids, **kwargs)
+    rotated = load_values_rotated(kv_cache, slot_mapping, centroids, **kwargs)
     return (rotated.float() @ rotation.T).to(torch.float16)
 
 
@@ -169,6 +169,6 @@ def rotate_attention_output(output: torch.Tensor, rotation: torch.Tensor) -> tor
 
 __all__ = [
     "rotate_attention_output",
-    "unpack_values_model_space",
-    "unpack_values_rotated",
+    "load_values_model_space",
+    "load_values_rotated",
 ]

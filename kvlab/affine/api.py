@@ -1,7 +1,7 @@
-"""The affine codec's launchers: ``pack_affine`` / ``unpack_affine`` (token or channel axis) and
-``pack_affine_mixed`` / ``unpack_affine_mixed`` (a bit width per head, ``MixedAffineLayout``) check their
+"""The affine codec's launchers: ``encode_affine`` / ``decode_affine`` (token or channel axis) and
+``encode_affine_mixed`` / ``decode_affine_mixed`` (a bit width per head, ``MixedAffineLayout``) check their
 inputs, launch the kernels of ``kvlab.affine.triton`` and read back the checks' flags. The oracle is
-``kvlab.reference.AffineCodec`` (not imported here); tests in ``tests/ops/test_affine.py``.
+``kvlab.affine.reference.AffineCodec`` (not imported here); tests in ``tests/ops/test_affine.py``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from .triton import AXES, CHANNEL_PACK_TILE, CHANNEL_UNPACK_TILE, FLAG_NONFINITE
 __all__ = [
     "MixedAffineLayout",
     "affine_code_bytes",
-    "pack_affine",
-    "pack_affine_mixed",
-    "unpack_affine",
-    "unpack_affine_mixed",
+    "encode_affine",
+    "encode_affine_mixed",
+    "decode_affine",
+    "decode_affine_mixed",
 ]
 
 
@@ -94,7 +94,7 @@ def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMEN
     return block if block is not None else max(1, min(128, tile // row_elements))
 
 
-def pack_token_spec(x: torch.Tensor, codes: torch.Tensor, bits: int, group_size: int, *, check: bool = False,
+def encode_token_spec(x: torch.Tensor, codes: torch.Tensor, bits: int, group_size: int, *, check: bool = False,
                     flags: torch.Tensor | None = None, block_rows: int | None = None, num_warps: int | None = None):
     """The launch of ``affine_pack_token_kernel`` (a ``kvlab._kernels.launch`` spec): rows of ``x`` ``[n_rows, dim]``
     (columns contiguous) encoded into the rows of ``codes`` ``[n_rows, code_bytes]`` uint8 (bytes contiguous, rows
@@ -118,7 +118,7 @@ def pack_token_spec(x: torch.Tensor, codes: torch.Tensor, bits: int, group_size:
     return affine_pack_token_kernel, grid, args, dict(num_warps=num_warps or PACK_NUM_WARPS, enable_fp_fusion=False)
 
 
-def pack_affine(
+def encode_affine(
     x: torch.Tensor,
     bits: int,
     group_size: int,
@@ -159,7 +159,7 @@ def pack_affine(
         n_rows = x.numel() // dim if dim else 0
         if n_rows == 0:
             return codes
-        fn, grid, args, options = pack_token_spec(x.view(n_rows, dim), codes.view(n_rows, code_bytes), bits, group_size,
+        fn, grid, args, options = encode_token_spec(x.view(n_rows, dim), codes.view(n_rows, code_bytes), bits, group_size,
                                                   check=check, block_rows=block_rows, num_warps=num_warps)
         fn[grid](**args, **options)
         flags = args["flags"]
@@ -185,7 +185,7 @@ def pack_affine(
     return codes
 
 
-def unpack_affine(
+def decode_affine(
     codes: torch.Tensor,
     bits: int,
     group_size: int,
@@ -196,7 +196,7 @@ def unpack_affine(
     block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Decode ``pack_affine`` codes: ``q * scale + zero`` in fp32 (as ``AffineCodec.decode``), cast to out_dtype.
+    """Decode ``encode_affine`` codes: ``q * scale + zero`` in fp32 (as ``AffineCodec.decode``), cast to out_dtype.
 
     uint8 ``[..., code_bytes]`` -> ``[..., dim]`` (token axis) or ``[..., tokens, dim]`` (channel axis,
     ``tokens = codes.shape[-2] * group_size``; a 1-d code decodes to ``[group_size, dim]``).
@@ -318,7 +318,7 @@ def _check_layout(layout) -> None:
         raise TypeError(f"layout must be a MixedAffineLayout, got {type(layout).__name__}")
 
 
-def pack_affine_mixed(
+def encode_affine_mixed(
     x: torch.Tensor,
     layout: MixedAffineLayout,
     *,
@@ -370,7 +370,7 @@ def pack_affine_mixed(
     return codes
 
 
-def unpack_affine_mixed(
+def decode_affine_mixed(
     codes: torch.Tensor,
     layout: MixedAffineLayout,
     out_dtype: torch.dtype = torch.float16,
@@ -378,7 +378,7 @@ def unpack_affine_mixed(
     block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Decode ``pack_affine_mixed`` codes ``[..., bytes_per_token]`` -> ``[..., num_heads, dim]`` (one launch)."""
+    """Decode ``encode_affine_mixed`` codes ``[..., bytes_per_token]`` -> ``[..., num_heads, dim]`` (one launch)."""
     _check_layout(layout)
     _check_tunables("block_rows", block_rows, num_warps)
     _check_out_dtype(out_dtype)

@@ -1,7 +1,7 @@
-"""The paged affine cache: ``store_affine_slots`` writes token-axis affine codes of keys and values into the slots
+"""The paged affine cache: ``store_affine`` writes token-axis affine codes of keys and values into the slots
 of a paged cache (one slot of one head: ``key code | value code``, ``kvlab.layout.AffineSlot``) through the
 kernels of ``kvlab.affine.triton``; ``AffineStoreStep`` is the same store recorded once and replayed. The oracle:
-``kvlab.reference.write_affine_slots``."""
+``kvlab.affine.reference.store_affine_reference``."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from .. import _checks as C
 from ..attention.checks import check_codecs, is_affine
 from ..attention.triton import on_device
 from ..layout import AffineSlot
-from .api import pack_affine
+from .api import encode_affine
 
 
-def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, *, check: bool = True) -> None:
+def store_affine(key, value, slot_mapping, cache, key_codec, value_codec, *, check: bool = True) -> None:
     """Encode ``key``/``value`` ``[num_tokens, num_kv_heads, dim]`` into the paged affine cache (in place).
 
-    The bytes equal ``kvlab.reference.write_affine_slots``: ``pack_affine`` codes (token axis), then one
+    The bytes equal ``kvlab.affine.reference.store_affine_reference``: ``encode_affine`` codes (token axis), then one
     indexed copy into the slots of ``slot_mapping`` (``-1``: skipped).
     """
     for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
@@ -37,24 +37,24 @@ def store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, 
     C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
     C.check_kernel_device("cache", cache)
     C.check_slot_mapping(slot_mapping, key.shape[0], num_slots, cache.device, values=check)
-    codes = torch.cat([pack_affine(key, key_codec.bits, key_codec.group_size, "token", check=check),
-                       pack_affine(value, value_codec.bits, value_codec.group_size, "token", check=check)], -1)
+    codes = torch.cat([encode_affine(key, key_codec.bits, key_codec.group_size, "token", check=check),
+                       encode_affine(value, value_codec.bits, value_codec.group_size, "token", check=check)], -1)
     keep = slot_mapping >= 0
     cache.view(num_slots, key.shape[1], layout.slot_bytes)[slot_mapping[keep].long()] = codes[keep]
     C.record_writer(cache, key_codec, value_codec)
 
 
 class AffineStoreStep:
-    """``store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on
+    """``store_affine(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on
     inputs of one shape and dtype whose slots are all written (a decode step): each call encodes the keys and
     values into one staging slot per row (two launches prepared once, ``kvlab._kernels.launch``), then copies the rows
-    into their slots. The bytes are ``store_affine_slots``'s; other inputs go through it."""
+    into their slots. The bytes are ``store_affine``'s; other inputs go through it."""
 
     def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
         from .._kernels.launch import Launch
-        from .api import pack_token_spec
+        from .api import encode_token_spec
 
-        store_affine_slots(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks
+        store_affine(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks
         num_tokens, num_heads, dim = key.shape
         self.cache, self.codecs, self.shape, self.dtype = cache, (key_codec, value_codec), tuple(key.shape), key.dtype
         layout = AffineSlot(dim, key_codec.bits, value_codec.bits, key_codec.group_size)
@@ -63,13 +63,13 @@ class AffineStoreStep:
         self.launches = []
         for x, codec, start, size in ((key, key_codec, 0, layout.key_code_bytes),
                                       (value, value_codec, layout.value_offset, layout.value_code_bytes)):
-            spec = pack_token_spec(x.reshape(-1, dim), rows[:, start:start + size], codec.bits, codec.group_size)
+            spec = encode_token_spec(x.reshape(-1, dim), rows[:, start:start + size], codec.bits, codec.group_size)
             self.launches.append(Launch(*spec, variable=("x",)))
 
     def __call__(self, key, value, slot_mapping) -> None:
         if (tuple(key.shape) != self.shape or value.shape != key.shape or key.dtype != self.dtype
                 or value.dtype != self.dtype or not key.is_contiguous() or not value.is_contiguous()):
-            store_affine_slots(key, value, slot_mapping, self.cache, *self.codecs, check=False)
+            store_affine(key, value, slot_mapping, self.cache, *self.codecs, check=False)
             return
         num_tokens, num_heads, dim = key.shape
         with on_device(self.cache.device):

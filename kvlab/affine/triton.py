@@ -1,10 +1,10 @@
 """Triton kernels for the affine codec: asymmetric min/max quantization with a fp16 scale and zero per group.
 
 What
-    ``pack_affine`` / ``unpack_affine`` encode and decode exactly what ``kvlab.reference.AffineCodec``
+    ``encode_affine`` / ``decode_affine`` encode and decode exactly what ``kvlab.affine.reference.AffineCodec``
     does (same bytes, ``torch.equal``), for 2, 3, 4 and 8 bits, with groups of ``group_size``
     channels of a token (``axis="token"``) or ``group_size`` tokens of a channel (``axis="channel"``).
-    ``pack_affine_mixed`` / ``unpack_affine_mixed`` encode a layer's K (or V) ``[tokens, heads, dim]``
+    ``encode_affine_mixed`` / ``decode_affine_mixed`` encode a layer's K (or V) ``[tokens, heads, dim]``
     with a bit width per head (``MixedAffineLayout``), in one launch, without padding a head to the
     widest one.
 
@@ -39,7 +39,7 @@ How
     ``check=False`` skips that host sync.
 
 Reference
-    ``kvlab.reference.AffineCodec`` (this module does not import it); tests in
+    ``kvlab.affine.reference.AffineCodec`` (this module does not import it); tests in
     ``tests/ops/test_affine.py``.
 """
 

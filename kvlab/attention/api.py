@@ -3,7 +3,7 @@ dequantized inside the loop) and ``prefill_attention`` (many query tokens, over 
 codes). The functions check their inputs (``checks``), then run the loop the support matrix picks: on a CUDA GPU
 for MSE keys and values of 2 to 4 bits, the register-MMA loop of ``gluon``; elsewhere the split loop of
 ``triton`` (every device; on a CPU through Triton's interpreter). ``DecodeLaunch`` holds the launch choices a
-caller may override. The oracle is ``kvlab.reference.decode_attention_reference`` (not imported here).
+caller may override. The oracle is ``kvlab.attention.reference.decode_attention_reference`` (not imported here).
 
 What
     One new query token per sequence attends over its cached keys and values, read straight from the
@@ -49,7 +49,7 @@ What
     inverse rotation as a batched matrix product (``load_mse(space="model")``), and runs torch SDPA.
 
 Reference
-    ``kvlab.reference.decode_attention_reference`` / ``prefill_attention_reference``: fp32 attention
+    ``kvlab.attention.reference.decode_attention_reference`` / ``prefill_attention_reference``: fp32 attention
     over the cache dequantized by the reference codecs (this module does not import them);
     ``tests/ops/test_attention.py`` compares the two.
 """
@@ -66,7 +66,7 @@ import torch
 from .. import _checks as C
 from .._kernels import tables as T
 from ..centered.api import load_centered_mse
-from ..affine.api import unpack_affine
+from ..affine.api import decode_affine
 from ..layout import HEAD_DIMS as DIMS, MSESlot
 from ..mse.api import load_mse
 from . import gluon as decode_mma
@@ -527,7 +527,7 @@ def prefill_attention(
     Materialises model-space K/V of all ``max(seq_lens)`` positions (MSE: ``load_mse(space="model")``,
     the inverse rotation as a batched matrix product, in the load kernel for 16-bit ``q``; centred
     keys: ``load_centered_mse``, token ``t`` at position ``position_offset + t``; affine:
-    ``unpack_affine``) and runs torch SDPA with a causal, length-masked boolean mask. Returns
+    ``decode_affine``) and runs torch SDPA with a causal, length-masked boolean mask. Returns
     ``q.dtype`` ``[batch, q_len, num_q_heads, dim]``.
     """
     C.check_tensor("q", q, (torch.float16, torch.bfloat16))
@@ -561,8 +561,8 @@ def prefill_attention(
     else:
         flat = cache.view(num_blocks * block_size, num_kv_heads, layout.slot_bytes)[slots.clamp_min(0)]
         gs = key_codec.group_size
-        k = unpack_affine(flat[..., : layout.key_code_bytes].contiguous(), key_codec.bits, gs, "token", dim, q.dtype)
-        v = unpack_affine(flat[..., layout.key_code_bytes:].contiguous(), value_codec.bits, gs, "token", dim, q.dtype)
+        k = decode_affine(flat[..., : layout.key_code_bytes].contiguous(), key_codec.bits, gs, "token", dim, q.dtype)
+        v = decode_affine(flat[..., layout.key_code_bytes:].contiguous(), value_codec.bits, gs, "token", dim, q.dtype)
     k = k.view(batch, length, num_kv_heads, dim).transpose(1, 2)
     v = v.view(batch, length, num_kv_heads, dim).transpose(1, 2)
     t = torch.arange(length, device=q.device)

@@ -15,8 +15,8 @@ Layouts
 
     each part exactly ``AffineCodec(bits, group_size, "token").encode(x)`` (indices packed as
     ``kvlab.layout`` states, then ``dim / group_size`` fp16 scales, then as many fp16 zeros). Key and
-    value bits may differ; both use the same ``group_size``. ``kvlab.reference.write_affine_slots``
-    writes it; ``store_affine_slots`` does the same with the ``pack_affine`` kernel.
+    value bits may differ; both use the same ``group_size``. ``kvlab.affine.reference.store_affine_reference``
+    writes it; ``store_affine`` does the same with the ``encode_affine`` kernel.
 
     Both caches: ``block_table`` int32 ``[batch, max_blocks]`` maps logical to physical blocks (entries
     past a sequence's last block are never read), ``seq_lens`` ``[batch]`` counts each sequence's cached

@@ -32,7 +32,7 @@ Attention over the codes
     heads and layers: one more 64-term dot product per token.
 
 Reference
-    ``kvlab.centered.reference.CenteredMSECodec`` with ``kvlab.reference.write_slots`` / ``read_slots``;
+    ``kvlab.centered.reference.CenteredMSECodec`` with ``kvlab.mse.reference.store_slots`` / ``load_slots``;
     this module does not import it (``tests/ops/test_centered.py`` compares the two: equal cache bytes,
     decoded keys to 1e-6 relative like ``load_mse``).
 """
@@ -80,7 +80,7 @@ def store_centered_mse(key: torch.Tensor, value: torch.Tensor, slot_mapping: tor
 
     ``cache`` is uint8 ``[num_blocks, block_size, num_heads, MSESlot(dim, key_bits, value_bits).slot_bytes]``,
     contiguous in its last dimension; token ``i`` goes to slot ``slot_mapping[i]``, ``-1`` skips it. The
-    bytes equal ``write_slots(cache, slot_mapping, key_codec.encode(key, positions),
+    bytes equal ``store_slots(cache, slot_mapping, key_codec.encode(key, positions),
     value_codec.encode(value), layout)``; ``positions`` (int ``[num_tokens]``) is needed when the codec's
     mean turns with the position (``key_codec.rope``). ``check``, ``block_rows``, ``num_warps`` and ``piece`` are
     those of ``kvlab.mse.store_mse`` (for keys, the norm checked is that of the normalised ``z``).

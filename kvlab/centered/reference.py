@@ -43,7 +43,7 @@ import torch
 
 from .. import _checks as C
 from ..params import CenteredParams
-from ..reference import MSECodec
+from ..mse.reference import MSECodec
 
 __all__ = ["CenteredMSECodec", "stats_fingerprint"]
 
@@ -74,7 +74,7 @@ class CenteredMSECodec(CenteredParams):
     ``rope``: ``None`` (the same mean at every position) or a ``kvlab.calibration.RoPE`` (``mean`` is
     before RoPE; ``encode`` and ``decode(space="model")`` then need the tokens' ``positions``).
     ``stats_fingerprint`` (``stats_fingerprint(mean, scale, rope)``) names the statistics; ``self.mse``
-    carries it as ``centered_stats``, so a paged cache that ``kvlab.store_centered_mse`` writes records it
+    carries it as ``centered_stats``, so a paged cache that ``kvlab.centered.store_centered_mse`` writes records it
     and a checked read with other statistics (``load_centered_mse``, ``decode_attention``,
     ``prefill_attention``) or as plain MSE codes is an error (``kvlab._checks.check_reader``).
     """

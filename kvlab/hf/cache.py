@@ -37,10 +37,10 @@ What
     attention sink: most heads put much of their attention on the first token).
 
 Storage, per layer (``B`` sequences, ``H`` KV heads, head dimension ``D``)
-    * token-axis affine: uint8 ``[B, H, tokens, code_bytes]`` (``pack_affine``);
+    * token-axis affine: uint8 ``[B, H, tokens, code_bytes]`` (``encode_affine``);
     * channel-axis affine keys: uint8 ``[B, H, tokens / group_size, code_bytes]``; the tokens of the
       group that is not yet full stay unquantized until it fills (KIVI);
-    * mixed bits per head: uint8 ``[B, tokens, bytes_per_token]`` (``pack_affine_mixed``);
+    * mixed bits per head: uint8 ``[B, tokens, bytes_per_token]`` (``encode_affine_mixed``);
     * MSE and centred MSE: the paged cache uint8 ``[num_blocks, block_size, H, slot_bytes]`` and a block table per
       sequence;
     * unquantized parts (``fp16`` layers, the sink tokens, the residual window, an open key group) in ``dtype``
@@ -72,10 +72,10 @@ When tokens are quantized
     decoding step at its position would (``kvlab.hf.decode_view``).
 
 Backends
-    ``backend="triton"`` encodes and decodes with kvlab's Triton kernels (``pack_affine``,
-    ``pack_affine_mixed``, ``store_mse``, ``load_mse``, ``store_centered_mse``, ``load_centered_mse`` and
+    ``backend="triton"`` encodes and decodes with kvlab's Triton kernels (``encode_affine``,
+    ``encode_affine_mixed``, ``store_mse``, ``load_mse``, ``store_centered_mse``, ``load_centered_mse`` and
     their inverses); ``backend="reference"`` with
-    the pure-torch codecs of ``kvlab.reference``, which produce the same bytes (tested) and are much
+    the pure-torch codecs (each op's ``reference``), which produce the same bytes (tested) and are much
     faster than the Triton interpreter on a CPU; ``"auto"`` picks Triton for CUDA tensors and the
     reference otherwise. Codes are byte-equal; decoded affine values are equal too, decoded MSE values
     agree to 1e-6 relative (the load kernel applies the norm correction as one scale per vector,

@@ -39,10 +39,10 @@ Formats
     in ``GenerateOutput.path``.
 
 Backends
-    ``backend="triton"`` stores with ``store_mse`` / ``store_affine_slots`` and attends with
+    ``backend="triton"`` stores with ``store_mse`` / ``store_affine`` and attends with
     ``decode_attention`` / ``prefill_attention`` (on a CPU under Triton's interpreter);
     ``"reference"`` stores with the pure-torch codecs (same bytes) and attends with
-    ``kvlab.reference.decode_attention_reference`` / ``prefill_attention_reference`` (fp64
+    ``kvlab.attention.reference.decode_attention_reference`` / ``prefill_attention_reference`` (fp64
     attention over the dequantized cache); ``"auto"`` picks Triton on CUDA and the reference on a
     CPU.
 """
@@ -64,12 +64,12 @@ from ..layout import AffineSlot
 from ..affine.paged import AffineStoreStep
 from ..attention.api import DecodeStep
 from ..attention import decode_attention, prefill_attention
-from ..affine import store_affine_slots
+from ..affine import store_affine
 from ..layout import ATTENTION_AFFINE_BITS as AFFINE_BITS, HEAD_DIMS, MSESlot
 from ..mse.api import MSEStoreStep, store_mse
-from ..reference import (
-    AffineCodec, MSECodec, decode_attention_reference, prefill_attention_reference, write_affine_slots, write_slots,
-)
+from ..affine.reference import AffineCodec, store_affine_reference
+from ..mse.reference import MSECodec, store_slots
+from ..attention.reference import decode_attention_reference, prefill_attention_reference
 
 __all__ = ["ATTENTION", "PagedKVCache", "PagedKVCacheLayer", "fused_support", "paged_attention"]
 
@@ -216,9 +216,9 @@ class PagedKVCacheLayer(CacheLayerMixin):
                 prepared = self._store_step = kind(k, v, slots, self.cache, kc, vc)
             prepared(k, v, slots)
         elif o.kind == "mse":
-            write_slots(self.cache, slots, kc.encode(k), vc.encode(v), o.layout)
+            store_slots(self.cache, slots, kc.encode(k), vc.encode(v), o.layout)
         else:
-            write_affine_slots(self.cache, slots, k, v, kc, vc)
+            store_affine_reference(self.cache, slots, k, v, kc, vc)
         self.seq_lens += n if valid is None else valid.sum(1, dtype=torch.int32)
         self.length += n
 
@@ -233,11 +233,11 @@ class PagedKVCacheLayer(CacheLayerMixin):
         if o.backend == "triton" and o.kind == "mse":
             store_mse(k, v, slots, self.cache, o.key_codec, o.value_codec, check=True)
         elif o.backend == "triton":
-            store_affine_slots(k, v, slots, self.cache, o.key_codec, o.value_codec, check=True)
+            store_affine(k, v, slots, self.cache, o.key_codec, o.value_codec, check=True)
         elif o.kind == "mse":
-            write_slots(self.cache, slots, o.key_codec.encode(k), o.value_codec.encode(v), o.layout)
+            store_slots(self.cache, slots, o.key_codec.encode(k), o.value_codec.encode(v), o.layout)
         else:
-            write_affine_slots(self.cache, slots, k, v, o.key_codec, o.value_codec)
+            store_affine_reference(self.cache, slots, k, v, o.key_codec, o.value_codec)
 
     def _store_transform(self, key, value, slots, n: int, valid) -> None:
         """Keys (RoPE undone at their positions when the codecs code keys before RoPE) and values through the

@@ -11,7 +11,8 @@ import torch
 from ..calibration import ChannelStats
 from ..centered.reference import CenteredMSECodec
 from ..layout import MSESlot
-from ..reference import AffineCodec, MSECodec, read_slots, write_slots
+from ..affine.reference import AffineCodec
+from ..mse.reference import MSECodec, load_slots, store_slots
 
 __all__ = ["AffineStream", "MSEStore", "TransformStore", "affine_codec", "cat_parts", "centered_codec", "mse_codec"]
 
@@ -72,10 +73,10 @@ class AffineStream:
         if self.mixed:
             x = x.transpose(1, 2)  # [B, n, H, D]
             if self.backend == "triton":
-                return triton_ops()[0].pack_affine_mixed(x, self.layout)
+                return triton_ops()[0].encode_affine_mixed(x, self.layout)
             return torch.cat([c.encode(x[:, :, h]) for h, c in enumerate(self.heads)], -1)
         if self.backend == "triton":
-            return triton_ops()[0].pack_affine(x, self.bits, self.group_size, self.axis)
+            return triton_ops()[0].encode_affine(x, self.bits, self.group_size, self.axis)
         return self.codec.encode(x)
 
     def write(self, x: torch.Tensor) -> None:
@@ -90,13 +91,13 @@ class AffineStream:
             return None
         if self.mixed:
             if self.backend == "triton":
-                x = triton_ops()[0].unpack_affine_mixed(self.codes, self.layout, out_dtype=dtype)
+                x = triton_ops()[0].decode_affine_mixed(self.codes, self.layout, out_dtype=dtype)
             else:
                 parts = self.codes.split(self.head_bytes, -1)
                 x = torch.stack([c.decode(p, self.head_dim) for c, p in zip(self.heads, parts)], 2).to(dtype)
             return x.transpose(1, 2)
         if self.backend == "triton":
-            return triton_ops()[0].unpack_affine(self.codes, self.bits, self.group_size, self.axis, self.head_dim, out_dtype=dtype)
+            return triton_ops()[0].decode_affine(self.codes, self.bits, self.group_size, self.axis, self.head_dim, out_dtype=dtype)
         return self.codec.decode(self.codes, self.head_dim).to(dtype)
 
     def nbytes(self) -> int:
@@ -161,11 +162,11 @@ class MSEStore:
                                                    positions=self._positions(self.tokens, stop))
         elif self.centered:
             k_codes = self.key_codec.encode(k_rows, self._positions(self.tokens, stop) if self.key_codec.rope else None)
-            write_slots(self.cache, slots, k_codes, self.value_codec.encode(v_rows), self.layout)
+            store_slots(self.cache, slots, k_codes, self.value_codec.encode(v_rows), self.layout)
         elif self.backend == "triton":
             triton_ops()[1].store_mse(k_rows, v_rows, slots, self.cache, self.key_codec, self.value_codec)
         else:
-            write_slots(self.cache, slots, self.key_codec.encode(k_rows), self.value_codec.encode(v_rows), self.layout)
+            store_slots(self.cache, slots, self.key_codec.encode(k_rows), self.value_codec.encode(v_rows), self.layout)
         self.tokens = stop
 
     def _stored(self):
@@ -186,7 +187,7 @@ class MSEStore:
                 k = mse.load_mse(self.cache, slots, self.key_codec, part="key", space="model", out_dtype=dtype)
             v = mse.load_mse(self.cache, slots, self.value_codec, part="value", space="model", out_dtype=dtype)
         else:
-            k_codes, v_codes = read_slots(self.cache, slots, self.layout)
+            k_codes, v_codes = load_slots(self.cache, slots, self.layout)
             if self.centered:
                 k = self.key_codec.decode(k_codes, "model", self._positions(0, n) if self.key_codec.rope else None).to(dtype)
             else:

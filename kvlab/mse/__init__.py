@@ -3,10 +3,10 @@
 ``api``: ``store_mse`` / ``load_mse`` (checks, then the kernel the support matrix picks); ``triton_store`` /
 ``triton_load``: the Triton kernels (every device, and the CPU through Triton's interpreter); ``gluon_store`` /
 ``gluon_load``: the Gluon kernels of the Hadamard store and the model-space load on CUDA GPUs. The oracle is
-``kvlab.reference`` (``MSECodec``, ``write_slots`` / ``read_slots``), which none of these import. Tests:
-``tests/ops/test_mse.py``.
+``reference`` (``MSECodec``, ``store_slots`` / ``load_slots``), which none of these import. Tests:
+``tests/ops/test_mse.py``; benchmark: ``benchmarks/bench_codecs.py``; pages 02 and 14.
 """
 
-from .api import load_mse, store_mse, unpack_values_model_space, unpack_values_rotated
+from .api import load_mse, store_mse, load_values_model_space, load_values_rotated
 
-__all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_rotated"]
+__all__ = ["load_mse", "store_mse", "load_values_model_space", "load_values_rotated"]

@@ -10,7 +10,7 @@ Layout (``kvlab.layout``)
     compiled per ``num_heads`` and ``block_size`` (the row and slot divisions become multiplies).
 
 Reference
-    ``kvlab.reference.MSECodec.encode`` / ``decode`` with ``write_slots`` / ``read_slots``. This module
+    ``kvlab.mse.reference.MSECodec.encode`` / ``decode`` with ``store_slots`` / ``load_slots``. This module
     does not import it; ``tests/ops/test_mse.py`` compares the two (``torch.equal`` on the cache).
 
 Checks
@@ -39,7 +39,7 @@ from ..layout import MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
 from .triton_load import load_mse_kernel
 from .triton_store import store_mse_kernel
 
-__all__ = ["load_mse", "store_mse", "unpack_values_model_space", "unpack_values_rotated"]
+__all__ = ["load_mse", "store_mse", "load_values_model_space", "load_values_rotated"]
 
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
 STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
@@ -271,7 +271,7 @@ def store_mse(
 
     ``cache`` is uint8 ``[num_blocks, block_size, num_heads, MSESlot(dim, key_bits, value_bits).slot_bytes]``
     (contiguous in its last dimension; other strides are free); token ``i`` goes to slot
-    ``slot_mapping[i]``, ``-1`` skips it. The bytes equal ``write_slots(cache, slot_mapping,
+    ``slot_mapping[i]``, ``-1`` skips it. The bytes equal ``store_slots(cache, slot_mapping,
     key_codec.encode(key), value_codec.encode(value), layout)``.
 
     ``check=True`` (default) also checks values, with one host sync: slots in ``[-1, num_slots)``,
@@ -491,7 +491,7 @@ def load_mse(
 ) -> torch.Tensor:
     """Decode the ``part`` ("key" or "value") codes of ``slot_mapping``'s slots: ``[num_tokens, num_heads, dim]``.
 
-    Equals ``codec.decode(codes, space)`` of the codes ``read_slots`` returns, cast to ``out_dtype``
+    Equals ``codec.decode(codes, space)`` of the codes ``load_slots`` returns, cast to ``out_dtype``
     (``space="rotated"``: ``y = x @ R`` coordinates, for attention in rotated space; ``"model"``:
     times ``R.T``, in the kernel as an fp16 product with fp32 accumulation for 16-bit outputs and dims
     of 9 to 128, else as one batched fp32 GEMM after the kernel). Rows whose slot is
@@ -610,11 +610,11 @@ def load_mse(
     return out.view(num_tokens, num_heads, dim)
 
 
-def unpack_values_rotated(cache, slot_mapping, value_codec, **kwargs) -> torch.Tensor:
+def load_values_rotated(cache, slot_mapping, value_codec, **kwargs) -> torch.Tensor:
     """Value vectors in rotated space, ``[num_tokens, num_heads, dim]`` (``load_mse(part="value")``)."""
     return load_mse(cache, slot_mapping, value_codec, part="value", space="rotated", **kwargs)
 
 
-def unpack_values_model_space(cache, slot_mapping, value_codec, **kwargs) -> torch.Tensor:
+def load_values_model_space(cache, slot_mapping, value_codec, **kwargs) -> torch.Tensor:
     """Value vectors in model space: the rotated ones times ``R.T`` in one batched GEMM."""
     return load_mse(cache, slot_mapping, value_codec, part="value", space="model", **kwargs)

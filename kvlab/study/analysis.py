@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks as C
-from ..reference import MSECodec
+from ..mse.reference import MSECodec
 
 __all__ = [
     "AttentionInputs",

@@ -15,7 +15,8 @@ import torch
 
 from ..calibration import RoPE
 from ..centered.reference import CenteredMSECodec
-from ..reference import AffineCodec, MSECodec
+from ..affine.reference import AffineCodec
+from ..mse.reference import MSECodec
 
 __all__ = ["codec_fingerprint", "transform_fingerprint"]
 

@@ -38,7 +38,8 @@ import torch
 
 from .. import _checks as C
 from ..layout import MSE_BITS, NORM_BYTES
-from ..reference import MSECodec, fp16_bytes, fp16_from_bytes
+from ..mse.reference import MSECodec
+from ..packing import fp16_bytes, fp16_from_bytes
 
 __all__ = ["QJLCodec", "pack_signs", "unpack_signs"]
 

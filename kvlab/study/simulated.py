@@ -49,7 +49,7 @@ from .. import _checks as C
 from ..calibration import ChannelStats
 from ..centered.reference import CenteredMSECodec
 from ..hf.decode_view import DecodeView, DecodeViewCache, hand_over, quantized_from
-from ..reference import MSECodec
+from ..mse.reference import MSECodec
 
 __all__ = ["Part", "SimulatedCache", "centered_part", "fp16_part", "mse_part", "pre_rope", "rope_tables", "split_part",
            "transform_part"]

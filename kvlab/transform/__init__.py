@@ -4,7 +4,8 @@
 kernels that store rows of a paged cache (gain, codes, packing: ``store_transform``) and load them
 (``load_transform``), ``api.py`` ``store`` / ``load`` (checks, the two matrix products, the kernels),
 ``attention.py`` one decode step of attention over the paged caches (``decode_attention``), ``calibration.py``
-how the parameters are measured on a model.
+how the parameters are measured on a model. Tests: ``tests/ops/test_transform*.py``; benchmark:
+``benchmarks/bench_transform.py``; page 15.
 """
 
 from . import api, reference

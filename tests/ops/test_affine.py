@@ -11,7 +11,7 @@ import kvlab
 import kvlab.affine.api as affine
 import kvlab.affine.triton
 from kvlab.affine import MixedAffineLayout
-from kvlab.reference import AffineCodec
+from kvlab.affine.reference import AffineCodec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -30,10 +30,10 @@ def _on_device(fn):
     return call
 
 
-pack_affine = _on_device(affine.pack_affine)
-unpack_affine = _on_device(affine.unpack_affine)
-pack_affine_mixed = _on_device(affine.pack_affine_mixed)
-unpack_affine_mixed = _on_device(affine.unpack_affine_mixed)
+encode_affine = _on_device(affine.encode_affine)
+decode_affine = _on_device(affine.decode_affine)
+encode_affine_mixed = _on_device(affine.encode_affine_mixed)
+decode_affine_mixed = _on_device(affine.decode_affine_mixed)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -109,12 +109,12 @@ def test_pack_matches_reference(bits, axis, group_size, shape):
     codec = AffineCodec(bits, group_size, axis)
     for dtype in DTYPES:
         xd = x.to(dtype)
-        assert_codes_equal(pack_affine(xd, bits, group_size, axis), codec.encode(xd))
+        assert_codes_equal(encode_affine(xd, bits, group_size, axis), codec.encode(xd))
     # decode the fp32 codes to every output dtype
     codes = codec.encode(x)
     ref = codec.decode(codes, shape[-1])
     for dtype in (torch.float32, torch.float16):
-        assert_decoded(unpack_affine(codes, bits, group_size, axis, shape[-1], dtype), ref, dtype)
+        assert_decoded(decode_affine(codes, bits, group_size, axis, shape[-1], dtype), ref, dtype)
 
 
 @pytest.mark.parametrize("axis, group_size, shape", PADDED)
@@ -123,9 +123,9 @@ def test_sizes_that_are_not_powers_of_two(bits, axis, group_size, shape):
     """group_size, number of groups or dim padded to a power of two inside the kernel, masked."""
     x = make_x(shape, axis, group_size, seed=7).half()
     codec = AffineCodec(bits, group_size, axis)
-    codes = pack_affine(x, bits, group_size, axis)
+    codes = encode_affine(x, bits, group_size, axis)
     assert_codes_equal(codes, codec.encode(x))
-    out = unpack_affine(codes, bits, group_size, axis, shape[-1], torch.float32)
+    out = decode_affine(codes, bits, group_size, axis, shape[-1], torch.float32)
     assert_decoded(out, codec.decode(codes, shape[-1]), torch.float32)
 
 
@@ -135,30 +135,30 @@ def test_tunables_do_not_change_codes(axis):
     ref = AffineCodec(4, 32, axis).encode(x)
     largest = 256 if axis == "token" else 16  # a channel-axis "row" is a code of 32 x 128 elements
     for block_rows, num_warps in [(1, 1), (2, 2), (8, 8), (largest, 4)]:
-        codes = pack_affine(x, 4, 32, axis, block_rows=block_rows, num_warps=num_warps)
+        codes = encode_affine(x, 4, 32, axis, block_rows=block_rows, num_warps=num_warps)
         assert_codes_equal(codes, ref)
-        out = unpack_affine(codes, 4, 32, axis, 128, block_rows=block_rows, num_warps=num_warps)
-        assert torch.equal(out, unpack_affine(ref, 4, 32, axis, 128))
+        out = decode_affine(codes, 4, 32, axis, 128, block_rows=block_rows, num_warps=num_warps)
+        assert torch.equal(out, decode_affine(ref, 4, 32, axis, 128))
 
 
 def test_non_contiguous_input_and_one_code():
     x = make_x((128, 3, 64), "token", 32, seed=5).transpose(0, 1)  # [3, 128, 64], not contiguous
     for axis in ("token", "channel"):
-        assert_codes_equal(pack_affine(x, 2, 32, axis), AffineCodec(2, 32, axis).encode(x))
-    codes = pack_affine(x[0, :32], 8, 32, "channel")[0]  # one code, 1-d, decodes to [group_size, dim]
+        assert_codes_equal(encode_affine(x, 2, 32, axis), AffineCodec(2, 32, axis).encode(x))
+    codes = encode_affine(x[0, :32], 8, 32, "channel")[0]  # one code, 1-d, decodes to [group_size, dim]
     ref = AffineCodec(8, 32, "channel").decode(codes, 64)
     assert ref.shape == (32, 64)
-    assert_decoded(unpack_affine(codes, 8, 32, "channel", 64, torch.float32), ref, torch.float32)
+    assert_decoded(decode_affine(codes, 8, 32, "channel", 64, torch.float32), ref, torch.float32)
 
 
 def test_constant_groups_and_per_group_scales():
     """Constant groups decode exactly (scale 0); an outlier group leaves the other groups' codes alone."""
     x = torch.full((3, 64), 1.25, dtype=torch.float16)
-    assert torch.equal(unpack_affine(pack_affine(x, 2, 32), 2, 32, "token", 64), x)
+    assert torch.equal(decode_affine(encode_affine(x, 2, 32), 2, 32, "token", 64), x)
     y = torch.randn(4, 128)
     z = y.clone()
     z[0, :32] *= 1000
-    cy, cz = pack_affine(y, 4, 32), pack_affine(z, 4, 32)
+    cy, cz = encode_affine(y, 4, 32), encode_affine(z, 4, 32)
     assert torch.equal(cy[1:], cz[1:]) and torch.equal(cy[0, 16:64], cz[0, 16:64])  # indices of groups 1-3
     assert torch.equal(cy[0, 66:72], cz[0, 66:72]) and torch.equal(cy[0, 74:], cz[0, 74:])  # their scales, zeros
 
@@ -178,7 +178,7 @@ def test_rounding_boundaries_and_tiny_ranges(bits):
         groups.append(torch.cat([ends, pts.clamp(0, levels * step.item())], 1))
     x = torch.cat(groups)  # [n, 32]
     codec = AffineCodec(bits, 32)
-    assert_codes_equal(pack_affine(x, bits, 32), codec.encode(x))
+    assert_codes_equal(encode_affine(x, bits, 32), codec.encode(x))
 
 
 def _rn32(fraction):
@@ -249,22 +249,22 @@ def test_scales_on_fp16_ties(bits):
     x = torch.rand(r.numel(), 32, generator=g) * r[:, None]
     x[:, 0], x[:, 1] = 0.0, r
     codec = AffineCodec(bits, 32)
-    assert_codes_equal(pack_affine(x, bits, 32), codec.encode(x))
+    assert_codes_equal(encode_affine(x, bits, 32), codec.encode(x))
     xc = x.reshape(-1, 32, 1).expand(-1, 32, 32).contiguous()  # the same ranges along the token axis
-    assert_codes_equal(pack_affine(xc, bits, 32, "channel"), AffineCodec(bits, 32, "channel").encode(xc))
+    assert_codes_equal(encode_affine(xc, bits, 32, "channel"), AffineCodec(bits, 32, "channel").encode(xc))
 
 
 def test_empty_input():
     x = torch.randn(0, 128, dtype=torch.float16)
-    codes = pack_affine(x, 4, 32)
+    codes = encode_affine(x, 4, 32)
     assert codes.shape == (0, 80)
-    assert unpack_affine(codes, 4, 32, "token", 128).shape == (0, 128)
+    assert decode_affine(codes, 4, 32, "token", 128).shape == (0, 128)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN
 def test_unchecked_encode_does_not_raise():
     x = torch.full((2, 64), float("nan"))
-    assert pack_affine(x, 4, 32, check=False).shape == (2, 40)  # no host sync, codes undefined
+    assert encode_affine(x, 4, 32, check=False).shape == (2, 40)  # no host sync, codes undefined
 
 
 def test_kernel_module_does_not_import_the_reference():
@@ -311,7 +311,7 @@ def test_mixed_bytes_shrink():
     assert layout.bytes_per_token / layout.fp16_bytes_per_token == 0.4375  # 2.29x smaller than fp16
     assert layout.bytes_per_token / layout.padded_bytes_per_token == pytest.approx(0.7778, abs=1e-4)
     x = torch.randn(37, 4, 128, dtype=torch.float16)
-    codes = pack_affine_mixed(x, layout)
+    codes = encode_affine_mixed(x, layout)
     assert codes.shape == (37, 448) and codes.numel() == 37 * sum(per_head)
 
 
@@ -332,12 +332,12 @@ def test_mixed_matches_per_head_reference(bit_alloc, dim, group_size, lead, dtyp
     unpack = CountingKernel(affine.affine_unpack_mixed_kernel)
     monkeypatch.setattr(affine, "affine_pack_mixed_kernel", pack)
     monkeypatch.setattr(affine, "affine_unpack_mixed_kernel", unpack)
-    codes = pack_affine_mixed(x, layout, block_rows=64)
+    codes = encode_affine_mixed(x, layout, block_rows=64)
     ref = mixed_reference(x, layout)
     assert_codes_equal(codes, ref)
     ref_x = mixed_decoded(ref, layout)
-    assert_decoded(unpack_affine_mixed(codes, layout, torch.float32, block_rows=64), ref_x, torch.float32)
-    assert_decoded(unpack_affine_mixed(codes, layout), ref_x, torch.float16)
+    assert_decoded(decode_affine_mixed(codes, layout, torch.float32, block_rows=64), ref_x, torch.float32)
+    assert_decoded(decode_affine_mixed(codes, layout), ref_x, torch.float16)
     assert pack.launches == 1 and unpack.launches == 2  # one launch per layer, all heads
 
 
@@ -347,9 +347,9 @@ def test_mixed_strided_heads_and_default_blocks():
     full = make_x((37, 6, 64), "token", 32, seed=11).half()
     x = full[:, ::2]
     assert not x.is_contiguous()
-    codes = pack_affine_mixed(x, layout)
+    codes = encode_affine_mixed(x, layout)
     assert_codes_equal(codes, mixed_reference(x, layout))
-    assert_decoded(unpack_affine_mixed(codes, layout, torch.float32), mixed_decoded(codes, layout), torch.float32)
+    assert_decoded(decode_affine_mixed(codes, layout, torch.float32), mixed_decoded(codes, layout), torch.float32)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -362,40 +362,40 @@ def _x(*shape, dtype=torch.float32):
 LAYOUT = MixedAffineLayout([4, 8], 64, 32)
 
 BAD = [
-    ("bits unsupported", lambda: pack_affine(_x(2, 64), 5, 32), ValueError, "bits must be one of"),
-    ("bits not int", lambda: pack_affine(_x(2, 64), 4.0, 32), TypeError, "bits must be an int"),
-    ("group_size not multiple of 8", lambda: pack_affine(_x(2, 64), 4, 12), ValueError, "group_size must be a multiple of 8"),
-    ("group_size too small", lambda: pack_affine(_x(2, 64), 4, 4), ValueError, "group_size must be >= 8"),
-    ("axis unknown", lambda: pack_affine(_x(2, 64), 4, 32, "head"), ValueError, "axis must be one of"),
-    ("dim vs group_size", lambda: pack_affine(_x(2, 48), 4, 32), ValueError, r"last dimension \(48\) must be a multiple of group_size"),
-    ("channel tokens vs group_size", lambda: pack_affine(_x(40, 64), 4, 32, "channel"), ValueError, "token dimension"),
-    ("channel dim not multiple of 8", lambda: pack_affine(_x(32, 60), 4, 32, "channel"), ValueError, "multiple of 8"),
-    ("channel x 1-d", lambda: pack_affine(_x(64), 4, 32, "channel"), ValueError, "x must have at least 2 dimensions"),
-    ("x integer", lambda: pack_affine(torch.ones(2, 64, dtype=torch.int32), 4, 32), TypeError, "x must have dtype"),
-    ("x not a tensor", lambda: pack_affine([0.0] * 64, 4, 32), TypeError, "x must be a torch.Tensor"),
-    ("x NaN", lambda: pack_affine(torch.full((3, 64), float("nan")), 4, 32), ValueError, "x holds NaN or Inf"),
-    ("x Inf channel axis", lambda: pack_affine(torch.full((32, 64), float("-inf")), 4, 32, "channel"), ValueError, "x holds NaN or Inf"),
-    ("zero overflows fp16", lambda: pack_affine(torch.tensor([[-7e4] + [7e4] * 31]), 4, 32), ValueError, "overflows fp16"),
-    ("range overflows fp16", lambda: pack_affine(torch.tensor([[-3e38] + [3e38] * 31]), 2, 32), ValueError, "overflows fp16"),
-    ("codes wrong dtype", lambda: unpack_affine(torch.zeros(2, 40), 4, 32, "token", 64), TypeError, "codes must have dtype"),
-    ("codes wrong width", lambda: unpack_affine(torch.zeros(2, 39, dtype=torch.uint8), 4, 32, "token", 64), ValueError, "codes must have last dimension 40"),
-    ("unpack dim vs group_size", lambda: unpack_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 48), ValueError, r"dim \(48\)"),
-    ("out_dtype", lambda: unpack_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 64, torch.int8), TypeError, "out_dtype"),
-    ("block_rows not a power of two", lambda: pack_affine(_x(2, 64), 4, 32, block_rows=3), ValueError, "block_rows must be a power of two"),
-    ("num_warps", lambda: pack_affine(_x(2, 64), 4, 32, num_warps=3), ValueError, "num_warps"),
-    ("tile too large", lambda: pack_affine(_x(64, 128), 4, 32, "channel", block_rows=32), ValueError, "block_rows=32 gives 131072 elements"),
-    ("unpack tile too large", lambda: unpack_affine(torch.zeros(2, 80, dtype=torch.uint8), 4, 32, "token", 128, block_rows=1024),
+    ("bits unsupported", lambda: encode_affine(_x(2, 64), 5, 32), ValueError, "bits must be one of"),
+    ("bits not int", lambda: encode_affine(_x(2, 64), 4.0, 32), TypeError, "bits must be an int"),
+    ("group_size not multiple of 8", lambda: encode_affine(_x(2, 64), 4, 12), ValueError, "group_size must be a multiple of 8"),
+    ("group_size too small", lambda: encode_affine(_x(2, 64), 4, 4), ValueError, "group_size must be >= 8"),
+    ("axis unknown", lambda: encode_affine(_x(2, 64), 4, 32, "head"), ValueError, "axis must be one of"),
+    ("dim vs group_size", lambda: encode_affine(_x(2, 48), 4, 32), ValueError, r"last dimension \(48\) must be a multiple of group_size"),
+    ("channel tokens vs group_size", lambda: encode_affine(_x(40, 64), 4, 32, "channel"), ValueError, "token dimension"),
+    ("channel dim not multiple of 8", lambda: encode_affine(_x(32, 60), 4, 32, "channel"), ValueError, "multiple of 8"),
+    ("channel x 1-d", lambda: encode_affine(_x(64), 4, 32, "channel"), ValueError, "x must have at least 2 dimensions"),
+    ("x integer", lambda: encode_affine(torch.ones(2, 64, dtype=torch.int32), 4, 32), TypeError, "x must have dtype"),
+    ("x not a tensor", lambda: encode_affine([0.0] * 64, 4, 32), TypeError, "x must be a torch.Tensor"),
+    ("x NaN", lambda: encode_affine(torch.full((3, 64), float("nan")), 4, 32), ValueError, "x holds NaN or Inf"),
+    ("x Inf channel axis", lambda: encode_affine(torch.full((32, 64), float("-inf")), 4, 32, "channel"), ValueError, "x holds NaN or Inf"),
+    ("zero overflows fp16", lambda: encode_affine(torch.tensor([[-7e4] + [7e4] * 31]), 4, 32), ValueError, "overflows fp16"),
+    ("range overflows fp16", lambda: encode_affine(torch.tensor([[-3e38] + [3e38] * 31]), 2, 32), ValueError, "overflows fp16"),
+    ("codes wrong dtype", lambda: decode_affine(torch.zeros(2, 40), 4, 32, "token", 64), TypeError, "codes must have dtype"),
+    ("codes wrong width", lambda: decode_affine(torch.zeros(2, 39, dtype=torch.uint8), 4, 32, "token", 64), ValueError, "codes must have last dimension 40"),
+    ("unpack dim vs group_size", lambda: decode_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 48), ValueError, r"dim \(48\)"),
+    ("out_dtype", lambda: decode_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 64, torch.int8), TypeError, "out_dtype"),
+    ("block_rows not a power of two", lambda: encode_affine(_x(2, 64), 4, 32, block_rows=3), ValueError, "block_rows must be a power of two"),
+    ("num_warps", lambda: encode_affine(_x(2, 64), 4, 32, num_warps=3), ValueError, "num_warps"),
+    ("tile too large", lambda: encode_affine(_x(64, 128), 4, 32, "channel", block_rows=32), ValueError, "block_rows=32 gives 131072 elements"),
+    ("unpack tile too large", lambda: decode_affine(torch.zeros(2, 80, dtype=torch.uint8), 4, 32, "token", 128, block_rows=1024),
      ValueError, "more than 65536"),
     ("bit_alloc entry", lambda: MixedAffineLayout([4, 5], 64, 32), ValueError, r"bit_alloc entries must be in .* bit_alloc\[1\] = 5"),
     ("bit_alloc entry type", lambda: MixedAffineLayout([4, "8"], 64, 32), TypeError, r"bit_alloc\[1\] must be an int"),
     ("bit_alloc empty", lambda: MixedAffineLayout([], 64, 32), ValueError, "bit_alloc must have one entry per head"),
     ("bit_alloc not a list", lambda: MixedAffineLayout(4, 64, 32), TypeError, "bit_alloc must be a list"),
     ("layout dim vs group_size", lambda: MixedAffineLayout([4], 48, 32), ValueError, r"dim \(48\) must be a multiple of group_size"),
-    ("bit_alloc vs heads", lambda: pack_affine_mixed(_x(5, 3, 64), LAYOUT), ValueError, "bit_alloc has 2 entries but x has 3 heads"),
-    ("mixed x dim", lambda: pack_affine_mixed(_x(5, 2, 128), LAYOUT), ValueError, "x must have last dimension 64"),
-    ("mixed x NaN", lambda: pack_affine_mixed(torch.full((5, 2, 64), float("nan")), LAYOUT), ValueError, "NaN"),
-    ("mixed codes width", lambda: unpack_affine_mixed(torch.zeros(5, LAYOUT.bytes_per_token + 1, dtype=torch.uint8), LAYOUT), ValueError, f"codes must have last dimension {LAYOUT.bytes_per_token}"),
-    ("layout type", lambda: pack_affine_mixed(_x(5, 2, 64), [4, 8]), TypeError, "layout must be a MixedAffineLayout"),
+    ("bit_alloc vs heads", lambda: encode_affine_mixed(_x(5, 3, 64), LAYOUT), ValueError, "bit_alloc has 2 entries but x has 3 heads"),
+    ("mixed x dim", lambda: encode_affine_mixed(_x(5, 2, 128), LAYOUT), ValueError, "x must have last dimension 64"),
+    ("mixed x NaN", lambda: encode_affine_mixed(torch.full((5, 2, 64), float("nan")), LAYOUT), ValueError, "NaN"),
+    ("mixed codes width", lambda: decode_affine_mixed(torch.zeros(5, LAYOUT.bytes_per_token + 1, dtype=torch.uint8), LAYOUT), ValueError, f"codes must have last dimension {LAYOUT.bytes_per_token}"),
+    ("layout type", lambda: encode_affine_mixed(_x(5, 2, 64), [4, 8]), TypeError, "layout must be a MixedAffineLayout"),
 ]
 
 
@@ -407,7 +407,7 @@ def test_bad_input(name, call, error, match):
 
 
 def test_exports():
-    for name in ("pack_affine", "unpack_affine"):
+    for name in ("encode_affine", "decode_affine"):
         assert getattr(kvlab, name) is getattr(affine, name)
-    for name in ("MixedAffineLayout", "pack_affine", "pack_affine_mixed", "unpack_affine", "unpack_affine_mixed", "store_affine_slots"):
-        assert getattr(kvlab.affine, name) is getattr(affine if name != "store_affine_slots" else kvlab.affine.paged, name)
+    for name in ("MixedAffineLayout", "encode_affine", "encode_affine_mixed", "decode_affine", "decode_affine_mixed", "store_affine"):
+        assert getattr(kvlab.affine, name) is getattr(affine if name != "store_affine" else kvlab.affine.paged, name)

@@ -1,6 +1,6 @@
-"""Fused decode attention (kvlab.attention.triton) against fp32 attention over the dequantized cache (kvlab.reference).
+"""Fused decode attention (kvlab.attention.triton) against fp32 attention over the dequantized cache (kvlab.attention.reference).
 
-Caches are written by the reference codecs (``write_slots`` / ``write_affine_slots``), physical blocks
+Caches are written by the reference codecs (``store_slots`` / ``store_affine_reference``), physical blocks
 are shuffled, unused block-table entries point far outside the cache, and the output is compared by
 relative error (Frobenius norm over the whole output). Both the ``prmt`` lookup (``fast=True``) and the
 generic unpack run: compiled on a GPU, and on a CPU in the interpreter at small sizes, the lookup's
@@ -15,8 +15,10 @@ import triton
 import triton.language as tl
 
 import kvlab
-from kvlab import reference as ref
-from kvlab.affine import store_affine_slots
+from kvlab.attention.reference import decode_attention_reference, prefill_attention_reference
+from kvlab.affine.reference import store_affine_reference
+from kvlab.mse.reference import store_slots
+from kvlab.affine import store_affine
 from kvlab.attention import DecodeLaunch, decode_attention, prefill_attention, rotate_attention_output
 from kvlab.layout import AffineSlot
 from kvlab.attention.triton import tile_order
@@ -83,7 +85,7 @@ def mse_setup(case, device, seed=0):
     lens, hq, hkv, dim, kb, vb, block_size, rotation = case
     kc, vc = mse_codecs(dim, kb, vb, rotation)
     layout = kvlab.MSESlot(dim, kb, vb)
-    write = lambda c, s, k, v: ref.write_slots(c, s, kc.encode(k), vc.encode(v), layout)  # noqa: E731
+    write = lambda c, s, k, v: store_slots(c, s, kc.encode(k), vc.encode(v), layout)  # noqa: E731
     cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device, seed)
     q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     return q, cache, block_table, seq_lens, kc, vc
@@ -93,7 +95,7 @@ def affine_setup(case, device, seed=0):
     lens, hq, hkv, dim, kb, vb, block_size, gs = case
     kc, vc = kvlab.AffineCodec(kb, gs), kvlab.AffineCodec(vb, gs)
     layout = AffineSlot(dim, kb, vb, gs)
-    write = lambda c, s, k, v: ref.write_affine_slots(c, s, k, v, kc, vc)  # noqa: E731
+    write = lambda c, s, k, v: store_affine_reference(c, s, k, v, kc, vc)  # noqa: E731
     cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device, seed)
     q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     return q, cache, block_table, seq_lens, kc, vc
@@ -110,7 +112,7 @@ LOOP_IDS = ["plain", "prefetch", "keys_as_rows", "prefetch-keys_as_rows"]
 @pytest.mark.parametrize("case", MSE_CASES, ids=MSE_IDS)
 def test_mse_decode_matches_reference(case, fast, loop, device):
     q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
-    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+    expected = decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
     out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(fast=fast, num_splits=2, **loop))
     assert out.dtype == torch.float16 and out.shape == q.shape
     assert rel_err(out, expected) <= TOL
@@ -122,7 +124,7 @@ def test_decode_on_one_and_two_warps(num_warps, keys_as_rows, device):
     """Programs of one or two warps (compiled: the MMAs of one warp, not warpgroup MMAs), MSE and affine caches."""
     for setup, case, extra in ((mse_setup, MSE_CASES[1], dict(prefetch=True)), (affine_setup, AFFINE_CASES[0], dict(fast=True))):
         q, cache, block_table, seq_lens, kc, vc = setup(case, device)
-        expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+        expected = decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
         out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(num_splits=3, block_n=32, num_stages=1, num_warps=num_warps, keys_as_rows=keys_as_rows, **extra))
         assert rel_err(out, expected) <= TOL, (setup.__name__, rel_err(out, expected))
 
@@ -133,10 +135,10 @@ def test_mse_decode_without_norm_correction(fast, device):
     lens, hq, hkv, dim, kb, vb, block_size, rotation = [33, 70], 4, 2, 64, 4, 2, 16, "haar"
     kc, vc = (kvlab.MSECodec(dim, b, rotation=rotation, seed=s, norm_correction=False) for b, s in ((kb, 5), (vb, 6)))
     layout = kvlab.MSESlot(dim, kb, vb)
-    write = lambda c, s, k, v: ref.write_slots(c, s, kc.encode(k), vc.encode(v), layout)  # noqa: E731
+    write = lambda c, s, k, v: store_slots(c, s, kc.encode(k), vc.encode(v), layout)  # noqa: E731
     cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device)
     q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(9)).to(device).half()
-    expected = ref.decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
+    expected = decode_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc)
     assert rel_err(decode_attention(q, cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(fast=fast, num_splits=2)), expected) <= TOL
 
 
@@ -166,7 +168,7 @@ def centered_setup(case, device, seed=0):
     def write(c, slots, k, v):
         positions = torch.arange(offset, offset + k.shape[0])
         k = kc.mean_rows(positions, (k.shape[0],)) + spread * k  # keys around their (turning) mean
-        ref.write_slots(c, slots, kc.encode(k, positions if rope is not None else None), vc.encode(v), layout)
+        store_slots(c, slots, kc.encode(k, positions if rope is not None else None), vc.encode(v), layout)
 
     cache, block_table, seq_lens = paged_cache(lens, hkv, dim, block_size, layout.slot_bytes, write, device, seed)
     q = torch.randn(len(lens), hq, dim, generator=torch.Generator().manual_seed(seed + 1)).to(device) * 0.3
@@ -178,7 +180,7 @@ def centered_setup(case, device, seed=0):
 @pytest.mark.parametrize("case", CENTERED_CASES, ids=CENTERED_IDS)
 def test_centered_decode_matches_reference(case, fast, loop, device):
     q, cache, block_table, seq_lens, kc, vc, offset = centered_setup(case, device)
-    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
+    expected = decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
     out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=offset, launch=DecodeLaunch(fast=fast, num_splits=2, **loop))
     assert out.dtype == torch.float16 and out.shape == q.shape
     assert rel_err(out, expected) <= TOL
@@ -203,7 +205,7 @@ def test_affine_decode_matches_reference(case, fast, keys_as_rows, device):
     """fast=True dequantizes in fp16 pairs, in a tile order of its own (4 bit); keys and values of
     different widths (K4V8) have different orders."""
     q, cache, block_table, seq_lens, kc, vc = affine_setup(case, device)
-    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+    expected = decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
     out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(num_splits=3, keys_as_rows=keys_as_rows, fast=fast))
     assert rel_err(out, expected) <= TOL
 
@@ -215,10 +217,10 @@ def test_splits_scale_and_bf16(device):
     outs = [decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(num_splits=s, block_n=32)).float()
             for s in (1, 2, 7)]
     assert rel_err(outs[1], outs[0]) < 2e-3 and rel_err(outs[2], outs[0]) < 2e-3
-    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, scale=0.3)
+    expected = decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, scale=0.3)
     out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, scale=0.3)
     assert rel_err(out, expected) <= TOL
-    expected = ref.decode_attention_reference(q.bfloat16().float(), cache, block_table, seq_lens, kc, vc)
+    expected = decode_attention_reference(q.bfloat16().float(), cache, block_table, seq_lens, kc, vc)
     out = decode_attention(q.bfloat16(), cache, block_table, seq_lens, kc, vc)
     assert out.dtype == torch.bfloat16 and rel_err(out, expected) <= 2 * TOL
 
@@ -227,7 +229,7 @@ def test_splits_scale_and_bf16(device):
 def test_longer_context_default_launch(device):
     case = ([3000, 1500, 4097], 32, 8, 128, 4, 4, 16, "haar")
     q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
-    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+    expected = decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
 
 
@@ -257,7 +259,7 @@ MMA_IDS = [f"L{'-'.join(map(str, c[0]))}-hq{c[1]}-hkv{c[2]}-d{c[3]}-k{c[4]}v{c[5
 def test_mma_decode_matches_reference(case, num_splits, device):
     q, cache, block_table, seq_lens, kc, vc = mse_setup(case, device)
     for dtype in (torch.float16, torch.bfloat16):
-        expected = ref.decode_attention_reference(q.to(dtype).float(), cache, block_table, seq_lens, kc, vc, scale=0.2)
+        expected = decode_attention_reference(q.to(dtype).float(), cache, block_table, seq_lens, kc, vc, scale=0.2)
         out = decode_attention(q.to(dtype), cache, block_table, seq_lens, kc, vc, scale=0.2, launch=DecodeLaunch(num_splits=num_splits, mma=True))
         assert out.dtype == dtype and out.shape == q.shape
         assert rel_err(out, expected) <= TOL, (dtype, rel_err(out, expected))
@@ -270,7 +272,7 @@ def test_mma_loop_choice(device, monkeypatch):
     calls = []
     original = kvlab.attention.api._decode_mma
     monkeypatch.setattr(kvlab.attention.api, "_decode_mma", lambda *a: calls.append(1) or original(*a))
-    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
+    expected = decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc)
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc), expected) <= TOL
     assert len(calls) == (1 if CUDA else 0)
     assert rel_err(decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(block_n=32)), expected) <= TOL
@@ -296,13 +298,13 @@ def test_mma_loop_choice(device, monkeypatch):
     decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2)  # 2-bit values at dim 64: the split loop
     assert len(calls) == 1
     q2, cache2, block_table2, seq_lens2, kc2, vc2 = mse_setup(([40, 7], 8, 2, 128, 2, 2, 16, "haar"), device)
-    expected = ref.decode_attention_reference(q2.half().float(), cache2, block_table2, seq_lens2, kc2, vc2)
+    expected = decode_attention_reference(q2.half().float(), cache2, block_table2, seq_lens2, kc2, vc2)
     assert rel_err(decode_attention(q2.half(), cache2, block_table2, seq_lens2, kc2, vc2), expected) <= TOL
     assert len(calls) == 2  # K2V2 at dim 128: the mma loop
     decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3)  # 3-bit keys at dim 64: the split loop
     assert len(calls) == 2
     q3, cache3, block_table3, seq_lens3, kc3, vc3 = mse_setup(MSE_CASES[1], device)  # K3V2 at dim 128: the mma loop
-    expected = ref.decode_attention_reference(q3.half().float(), cache3, block_table3, seq_lens3, kc3, vc3)
+    expected = decode_attention_reference(q3.half().float(), cache3, block_table3, seq_lens3, kc3, vc3)
     assert rel_err(decode_attention(q3.half(), cache3, block_table3, seq_lens3, kc3, vc3), expected) <= TOL
     assert len(calls) == 3
     q8 = torch.randn(2, 64, 64, device=device, dtype=torch.float16)  # 32 query heads per KV head
@@ -502,7 +504,7 @@ def test_prefill_matches_reference(kind, device):
     q_len = int(seq_lens.min())
     hq, dim = q.shape[1:]
     q = torch.randn(q.shape[0], q_len, hq, dim, generator=torch.Generator().manual_seed(9)).to(device).half()
-    expected = ref.prefill_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
+    expected = prefill_attention_reference(q.float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
     out = prefill_attention(q, cache, block_table, seq_lens, kc, vc, position_offset=offset)
     assert out.shape == q.shape and rel_err(out, expected) <= TOL
 
@@ -515,9 +517,9 @@ def test_store_affine_slots_matches_reference(device):
     slots = torch.randperm(48, generator=g)[:19]
     slots[3] = -1
     expected = torch.zeros(3, 16, 2, layout.slot_bytes, dtype=torch.uint8)
-    ref.write_affine_slots(expected, slots, key, value, kc, vc)
+    store_affine_reference(expected, slots, key, value, kc, vc)
     cache = torch.zeros_like(expected).to(device)
-    store_affine_slots(key.to(device), value.to(device), slots.to(device), cache, kc, vc)
+    store_affine(key.to(device), value.to(device), slots.to(device), cache, kc, vc)
     assert torch.equal(cache.cpu(), expected)
 
 
@@ -645,7 +647,7 @@ def test_launch_defaults(entry, device):
         launch["fast"] = False  # inline PTX: the interpreter's default
     out = decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=offset, launch=DecodeLaunch(num_splits=2, mma=False))
     assert torch.equal(out, decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, position_offset=offset, launch=DecodeLaunch(num_splits=2, **launch)))
-    expected = ref.decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
+    expected = decode_attention_reference(q.half().float(), cache, block_table, seq_lens, kc, vc, position_offset=offset)
     assert rel_err(out, expected) <= TOL
     if kind == "centered":  # centred 2- and 3-bit keys have no entry of their own: the MSE one
         assert kvlab.attention.api.launch_defaults("centered", 2) == kvlab.attention.api.LAUNCH_DEFAULTS["mse", 2]

@@ -78,7 +78,7 @@ def make_batch(case, device, seed=0):
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(seed))[:tokens]
     slots[::5] = -1  # padding tokens: not written
     ref = cache.clone()
-    kvlab.reference.write_slots(ref, slots, key_codec.encode(key, positions), value_codec.encode(value), layout)
+    kvlab.mse.reference.store_slots(ref, slots, key_codec.encode(key, positions), value_codec.encode(value), layout)
     return key.to(device), value.to(device), slots.to(device), positions, cache.to(device), ref, key_codec, value_codec
 
 
@@ -164,7 +164,7 @@ def test_load_matches_reference(case, space, device):
     layout = kvlab.MSESlot(case[2], case[3], case[4])
     out = load_centered_mse(ref.to(device), slots, key_codec, space=space, out_dtype=torch.float32, block_rows=LOAD_ROWS,
                             positions=positions)
-    codes, _ = kvlab.reference.read_slots(ref, slots.cpu(), layout)
+    codes, _ = kvlab.mse.reference.load_slots(ref, slots.cpu(), layout)
     expect = key_codec.decode(codes, space, positions)
     keep = slots.cpu() >= 0
     assert out.shape == expect.shape and out.dtype == torch.float32
@@ -309,7 +309,7 @@ def test_cache_stores_centered_codes():
     k_out, v_out = cache.update(k, v, 1)
     layer = cache.layers[1]
     codec = CenteredMSECodec(D, 3, stats.mean[1], stats.scale[1])
-    codes, v_codes = kvlab.reference.read_slots(layer.mse.cache, layer.mse._slots(0, 37), kvlab.MSESlot(D, 3, 2))
+    codes, v_codes = kvlab.mse.reference.load_slots(layer.mse.cache, layer.mse._slots(0, 37), kvlab.MSESlot(D, 3, 2))
     k_rows = k.transpose(1, 2).reshape(-1, H, D)
     assert torch.equal(codes, codec.encode(k_rows))
     assert torch.equal(k_out, codec.decode(codes).reshape(2, 37, H, D).transpose(1, 2))
@@ -535,7 +535,7 @@ def test_cache_with_a_mean_that_turns_with_the_position(device):
     codec = CenteredMSECodec(D, 3, stats.mean[0], stats.scale[0], rope=stats.rope)
     rows = k[:, :, 1:].transpose(1, 2).reshape(-1, H, D)
     positions = torch.arange(1, 32).repeat(2)
-    codes, _ = kvlab.reference.read_slots(ref.mse.cache.cpu(), ref.mse._slots(0, 31).cpu(), kvlab.MSESlot(D, 3, 2))
+    codes, _ = kvlab.mse.reference.load_slots(ref.mse.cache.cpu(), ref.mse._slots(0, 31).cpu(), kvlab.MSESlot(D, 3, 2))
     assert torch.equal(codes, codec.encode(rows, positions))
     decoded = codec.decode(codes, "model", positions).reshape(2, 31, H, D).transpose(1, 2)
     first = outs["reference"][0].cpu()

@@ -1,4 +1,4 @@
-"""MSE kernels (kvlab.mse: triton_store, triton_load, gluon_store, gluon_load) against the pure-torch reference (kvlab.reference).
+"""MSE kernels (kvlab.mse: triton_store, triton_load, gluon_store, gluon_load) against the pure-torch reference (kvlab.mse.reference).
 
 ``store_mse`` must produce the reference's cache bytes exactly (the whole cache is compared, so
 untouched and skipped slots are checked too), for Haar codecs (torch GEMM, then the kernel) and for
@@ -19,7 +19,7 @@ import torch
 
 import kvlab
 from kvlab.layout import code_order
-from kvlab.mse import load_mse, store_mse, unpack_values_model_space, unpack_values_rotated
+from kvlab.mse import load_mse, store_mse, load_values_model_space, load_values_rotated
 from kvlab.rotation import fwht, hadamard, hadamard_signs
 
 SENTINEL = 0xAB
@@ -85,7 +85,7 @@ def make_batch(case, device, seed=0, norm_correction=True):
     cache = torch.full((num_blocks, block_size, heads, layout.slot_bytes), SENTINEL, dtype=torch.uint8)
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
     ref = cache.clone()
-    kvlab.reference.write_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
+    kvlab.mse.reference.store_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
     return key, value, slots, cache, ref, kc, vc, layout
 
 
@@ -171,7 +171,7 @@ def test_store_exact_at_rounding_edges(bits, device):
     cache = torch.full((key.shape[0], 1, heads, layout.slot_bytes), SENTINEL, dtype=torch.uint8)
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
     ref = cache.clone()
-    kvlab.reference.write_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
+    kvlab.mse.reference.store_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
     store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
     assert torch.equal(cache, ref)
 
@@ -180,7 +180,7 @@ def test_store_exact_at_rounding_edges(bits, device):
 @pytest.mark.parametrize("space", ["rotated", "model"])
 def test_load_matches_reference_decode(case, space, device):
     key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
-    k_codes, v_codes = kvlab.reference.read_slots(ref, slots, layout)
+    k_codes, v_codes = kvlab.mse.reference.load_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
         out = load_mse(ref, slots, codec, part=part, space=space, block_rows=LOAD_ROWS)
@@ -206,7 +206,7 @@ def test_model_space_load_is_within_output_rounding(case, out_dtype, fast, devic
     codebook rules that out, ``fast=True`` is refused)."""
     key, value, slots, _, ref, kc, vc, layout = make_batch(case, device)
     keep = (slots >= 0).view(-1, 1, 1)
-    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.reference.read_slots(ref, slots, layout)):
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.mse.reference.load_slots(ref, slots, layout)):
         if fast and not _fast_possible(ref, codec, part, layout):
             with pytest.raises(ValueError, match="fast=True needs"):
                 load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, fast=True)
@@ -242,7 +242,7 @@ def test_model_space_load_loops_over_tiles(bits, fast, device, monkeypatch):
     store_mse(key, value, slots, cache, kc, vc)
     assert kvlab.mse.api._word_phase(cache, layout.value_offset) == 2
     keep = (slots >= 0).view(-1, 1, 1)
-    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.reference.read_slots(cache, slots, layout)):
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.mse.reference.load_slots(cache, slots, layout)):
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
         out = load_mse(cache, slots, codec, part=part, space="model", block_rows=block_rows, fast=fast)
         rounding = rel_err(exact.half(), exact)
@@ -261,7 +261,7 @@ def written_cache(dim, bits, heads, tokens, seed, padding, device, block_size=16
     slots = torch.randperm(cache.shape[0] * block_size, generator=g)[:tokens]
     slots[padding] = -1
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
-    kvlab.reference.write_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
+    kvlab.mse.reference.store_slots(cache, slots, kc.encode(key), vc.encode(value), layout)
     return kc, vc, layout, slots, cache
 
 
@@ -301,7 +301,7 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
     keep = (slots >= 0).view(-1, 1, 1)
     calls = []
     monkeypatch.setattr(mse_mma, "launch", lambda *a, _launch=mse_mma.launch: calls.append(1) or _launch(*a))
-    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.reference.read_slots(cache, slots, layout)):
+    for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.mse.reference.load_slots(cache, slots, layout)):
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
         out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype)
         assert len(calls) == 1 + (part == "value"), "the Gluon kernel did not run"
@@ -439,7 +439,7 @@ def test_gluon_store_compiles_for_hopper():
 def test_load_exact_without_norm_correction(case, device):
     """Without renormalisation decoding is centroid * fp16 norm: no sum, so the result is exact."""
     key, value, slots, _, ref, kc, vc, layout = make_batch(case, device, norm_correction=False)
-    k_codes, v_codes = kvlab.reference.read_slots(ref, slots, layout)
+    k_codes, v_codes = kvlab.mse.reference.load_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
         expected = torch.where(keep, codec.decode(codes, "rotated"), 0.0)
@@ -453,11 +453,11 @@ def test_roundtrip_store_then_load(device):
     case = CASES[1]
     key, value, slots, cache, ref, kc, vc, layout = make_batch(case, device, seed=3)
     store_mse(key, value, slots, cache, kc, vc)
-    k_codes, v_codes = kvlab.reference.read_slots(ref, slots, layout)
+    k_codes, v_codes = kvlab.mse.reference.load_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
-    out = unpack_values_model_space(cache, slots, vc, out_dtype=torch.float32)
+    out = load_values_model_space(cache, slots, vc, out_dtype=torch.float32)
     assert rel_err(out, torch.where(keep, vc.decode(v_codes), 0.0)) <= 1e-5
-    out = unpack_values_rotated(cache, slots, vc)
+    out = load_values_rotated(cache, slots, vc)
     assert torch.equal(out, load_mse(cache, slots, vc, part="value"))
     # and the round trip is close to the input: 4-bit keys
     rel = rel_err(load_mse(cache, slots, kc, space="model", out_dtype=torch.float32)[keep.view(-1)], key[keep.view(-1)].float())
@@ -488,11 +488,11 @@ def test_store_ties_round_half_to_even(device):
     ref = cache.clone()
     codes = kc.encode(key)
     # the centroid (ascending index) of each stored sign-magnitude code
-    idx = code_order(3)[kvlab.reference.unpack_indices(codes[..., : kc.index_bytes], 3, dim).view(len(centers), dim).cpu()]
+    idx = code_order(3)[kvlab.packing.unpack_indices(codes[..., : kc.index_bytes], 3, dim).view(len(centers), dim).cpu()]
     assert idx[2, 1:8].tolist() == [2, 2, 2, 3, 3, 3, 3]  # -4.5s -> -4s, -4s, -3.5s -> -4s: past -3s; -3s on it: 3
     assert idx[4, 1:8].tolist() == [4, 4, 4, 4, 5, 5, 5]  # 1.5s -> 2s, 2s, 2.5s -> 2s, 3s (not above 3s), 3.5s -> 4s, ...
     assert idx[3, 4].item() == 3 and idx[3, 5].item() == 3 and idx[3, 8:10].tolist() == [3, 3]  # 0.5s -> 0, zeros: u > 0 fails
-    kvlab.reference.write_slots(ref, slots, codes, vc.encode(key), layout)
+    kvlab.mse.reference.store_slots(ref, slots, codes, vc.encode(key), layout)
     store_mse(key, key, slots, cache, kc, vc, block_rows=STORE_ROWS)
     assert torch.equal(cache, ref)
 
