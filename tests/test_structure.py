@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "kvlab"
-MAX_LINES = 650
+MAX_LINES = 625
 # modules still over it, each to be split along its parts (kernels, launchers, checks)
 LARGE: set[str] = set()
 

@@ -10,6 +10,7 @@ import torch
 import kvlab
 import kvlab.affine.api as affine
 import kvlab.affine.triton
+import kvlab.affine.triton_bits
 from kvlab.affine import MixedAffineLayout
 from kvlab.affine.reference import AffineCodec
 
@@ -194,14 +195,14 @@ def _rn32(fraction):
 
 @pytest.mark.parametrize("levels", [3, 7, 15, 255])
 def test_division_by_levels_is_correctly_rounded(levels):
-    """The kernels' range / levels, RN(r ZH + RN(r ZL)) with the sum in fp64 (as ``_divide_by_levels``
+    """The kernels' range / levels, RN(r ZH + RN(r ZL)) with the sum in fp64 (as ``divide_by_levels``
     computes it), equals the IEEE fp32 quotient for every significand (r in [1, 2)), and at other
     exponents, down to where only the quotient's fp16 (0) has to agree."""
     import fractions
 
     import numpy as np
 
-    zh, zl = kvlab.affine.triton.RECIPROCAL_SPLIT[levels]
+    zh, zl = kvlab.affine.triton_bits.RECIPROCAL_SPLIT[levels]
     assert zh == _rn32(fractions.Fraction(1, levels)) and zl == _rn32(fractions.Fraction(1, levels) - fractions.Fraction(zh))
 
     def kernel(r):
