@@ -25,6 +25,8 @@ After all notebooks pass, runs `jupyter-book build --all -W --keep-going .` (ski
 versions, the date and the command, as JSON, after every notebook (so a run cut short keeps what it
 finished); with it, a failure does not stop the other notebooks (the exit code still says it).
 `--page-timeout S` stops a notebook that runs longer than S seconds (a failure: "timeout").
+`--save-results DIR` passes `-p save_results DIR/<name>.json` to each notebook whose parameters cell defines
+`save_results` (the pages that write the results of a full-size run, e.g. `results/perplexity_h200.json`).
 """
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ class Record:
 
 RECORD: Record | None = None
 PAGE_TIMEOUT: float | None = None
+SAVE_DIR: Path | None = None
 
 
 def log(msg: str) -> None:
@@ -242,6 +245,8 @@ def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
     check_parameters_cell(name, src)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.unlink(missing_ok=True)
+    if SAVE_DIR is not None and re.search(r"^\s*save_results\s*=", parameters_source(name, src), re.M):
+        params = [*params, "-p", "save_results", str(SAVE_DIR / f"{name}.json")]
     cmd = [sys.executable, "-m", "papermill", str(src), str(tmp),
            "--cwd", str(ROOT), "--kernel", "python3", "--no-progress-bar",
            "--log-level", "WARNING", *params]
@@ -299,8 +304,12 @@ def main() -> int:
     ap.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="notebooks executed at once (default 1)")
     ap.add_argument("--record", type=Path, metavar="FILE", help="write each notebook's status and seconds as JSON")
     ap.add_argument("--page-timeout", type=float, metavar="S", help="stop a notebook after S seconds")
+    ap.add_argument("--save-results", type=Path, metavar="DIR", help="where pages with a save_results parameter write")
     args = ap.parse_args()
-    global RECORD, PAGE_TIMEOUT
+    global RECORD, PAGE_TIMEOUT, SAVE_DIR
+    if args.save_results is not None:
+        args.save_results.mkdir(parents=True, exist_ok=True)
+        SAVE_DIR = args.save_results.resolve()
     if args.page_timeout is not None and not args.page_timeout > 0:
         ap.error(f"--page-timeout must be a positive number of seconds, got {args.page_timeout}")
     PAGE_TIMEOUT = args.page_timeout
