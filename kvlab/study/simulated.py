@@ -154,7 +154,8 @@ def rope_tables(model) -> Callable:
     dim = model.config.head_dim
 
     def tables(pos):
-        cos, sin = rotary(torch.zeros(1, 1, dim), pos[None].to(torch.int64))
+        device = rotary.inv_freq.device
+        cos, sin = rotary(torch.zeros(1, 1, dim, device=device), pos[None].to(device, torch.int64))
         return cos[0].float(), sin[0].float()
 
     return tables
@@ -169,7 +170,7 @@ def pre_rope(part: Part, tables: Callable) -> Part:
     """Code the keys before RoPE: undo RoPE at the tokens' positions, code, apply RoPE again."""
 
     def fn(x, pos):
-        cos, sin = tables(pos)
+        cos, sin = (t.to(x.device) for t in tables(pos))
         raw = x.float() * cos - _rotate_half(x.float()) * sin  # RoPE's inverse rotation
         y = part.fn(raw, pos).float()
         return y * cos + _rotate_half(y) * sin
