@@ -136,13 +136,14 @@ def split_part(stats: ChannelStats, layer: int, bits: int, outlier_bits: int, n:
     shift = mean if center else torch.zeros_like(mean)
 
     def fn(x, pos):
-        z = x.float() - shift[None, :, None, :]
-        idx_hi = outlier[None, :, None, :].expand(*z.shape[:-1], n)
-        idx_lo = inlier[None, :, None, :].expand(*z.shape[:-1], dim - n)
+        s = shift.to(x.device)[None, :, None, :]
+        z = x.float() - s
+        idx_hi = outlier.to(x.device)[None, :, None, :].expand(*z.shape[:-1], n)
+        idx_lo = inlier.to(x.device)[None, :, None, :].expand(*z.shape[:-1], dim - n)
         out = torch.empty_like(z)
         out.scatter_(-1, idx_hi, hi.decode(hi.encode(torch.gather(z, -1, idx_hi))))
         out.scatter_(-1, idx_lo, lo.decode(lo.encode(torch.gather(z, -1, idx_lo))))
-        return out + shift[None, :, None, :]
+        return out + s
 
     bits_per_element = (n * outlier_bits + (dim - n) * bits + 2 * NORM_BITS) / dim
     return Part(fn, bits_per_element, f"split{n}@{outlier_bits}+{bits}")
