@@ -196,23 +196,10 @@ _WRITERS: dict = {}
 
 
 def codec_identity(codec):
-    """What a decoder must agree on: the kind of codec, its dim, bits, rotation and seed, and for centred keys the
-    fingerprint of their statistics (None: unknown).
-
-    A centred codec and its inner MSE codec (``codec.mse``, which writes the codes of the normalised keys and
-    carries ``centered_stats``) have the same identity: the codes mean keys only with those statistics.
-    """
-    if codec is None:
-        return None
-    mse = getattr(codec, "mse", None)
-    if mse is not None and hasattr(codec, "mean"):  # a centred key codec: its MSE codec names the statistics
-        return codec_identity(mse)
-    if hasattr(codec, "axis") and hasattr(codec, "group_size"):
-        return ("affine", getattr(codec, "bits", None), codec.group_size, codec.axis)
-    plain = ("mse", getattr(codec, "dim", None), getattr(codec, "bits", None), getattr(codec, "rotation_kind", None),
-             getattr(codec, "seed", None), getattr(codec, "norm_correction", None))
-    stats = getattr(codec, "centered_stats", None)
-    return plain if stats is None else ("centered", plain, stats)
+    """What a decoder must agree on: ``codec.identity()`` of a codec's parameters (``kvlab.params``: the kind of
+    codec, its dim, bits, rotation and seed, and for centred keys the fingerprint of their statistics); None:
+    unknown. A centred codec and its inner MSE codec have the same identity."""
+    return None if codec is None else codec.identity()
 
 
 def _describe(identity) -> str:

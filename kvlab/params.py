@@ -59,6 +59,13 @@ class MSEParams:
     def bits_per_element(self) -> float:
         return 8.0 * self.nbytes / self.dim
 
+    def identity(self) -> tuple:
+        """What a decoder of these codes must agree on (``kvlab._checks.check_reader``): dim, bits, rotation, seed,
+        norm correction, and the fingerprint of the statistics of a centred codec that writes through this one."""
+        plain = ("mse", self.dim, self.bits, self.rotation_kind, self.seed, self.norm_correction)
+        stats = getattr(self, "centered_stats", None)  # set by the centred codec this one codes for
+        return plain if stats is None else ("centered", plain, stats)
+
     def __repr__(self) -> str:
         return (
             f"MSECodec(dim={self.dim}, bits={self.bits}, rotation={self.rotation_kind!r}, "
@@ -86,6 +93,10 @@ class AffineParams:
     def __repr__(self) -> str:
         return f"AffineCodec(bits={self.bits}, group_size={self.group_size}, axis={self.axis!r})"
 
+    def identity(self) -> tuple:
+        """What a decoder of these codes must agree on: bits, group size and axis."""
+        return ("affine", self.bits, self.group_size, self.axis)
+
     def nbytes(self, dim: int) -> int:
         """Bytes of one code: one vector (token axis) or ``group_size`` vectors (channel axis)."""
         if self.axis == "token":
@@ -105,3 +116,8 @@ class CenteredParams:
     num_heads: int
     dim: int
     rope: object
+
+    def identity(self) -> tuple:
+        """That of its MSE codec, which carries the fingerprint of these statistics: the codes mean keys only
+        with them."""
+        return self.mse.identity()
