@@ -77,6 +77,9 @@ CONFIGS = {  # name: changes to BASE
     "3.5, no window": dict(residual=0),
     "3.5, window 32": dict(residual=32),
     "3.5, calibrated on the language reference": dict(calibration="pydoc"),
+    "global 3.5": dict(allocation="global"),
+    "global 3.0": dict(bits=3.0, allocation="global"),
+    "global 2.5": dict(bits=2.5, allocation="global"),
 }
 COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
 

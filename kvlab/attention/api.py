@@ -65,6 +65,7 @@ import torch
 
 from .. import _checks as C
 from .._kernels import tables as T
+from .._kernels.mma_tile import key_words_layout
 from ..centered.api import load_centered_mse
 from ..affine.api import decode_affine
 from ..layout import HEAD_DIMS as DIMS, MSESlot
@@ -269,7 +270,7 @@ def _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec, 
     constants = dict(HQ=num_q_heads, HKV=num_kv_heads, BLOCK_SIZE=cache.shape[1], D=dim,
                      KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
                      VALUE_NORM_OFFSET=layout.value_norm_offset, BG=group_rows, BITS_K=key_codec.bits,
-                     BITS_V=value_codec.bits, KEY_WORDS=decode_mma.key_words_layout(dim, key_codec.bits),
+                     BITS_V=value_codec.bits, KEY_WORDS=key_words_layout(dim, key_codec.bits),
                      VALUE_WORDS=decode_mma.value_words_layout(dim, value_codec.bits))
     return (batch * num_kv_heads, num_splits), args, constants, dict(num_warps=1, **extra)
 

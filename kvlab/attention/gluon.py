@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from ..layout import MMA_BITS as BITS, MMA_DIMS as DIMS  # 2-bit values and 3-bit keys or values: dim 128
 from .._kernels.lookup import lookup2_ptx, lookup3_ptx, lookup4_ptx, spread3_ptx
 from .._kernels.mma_tile import (  # the key operand's words, layout and lookup, shared with the model-space MSE load
-    STEP, bit_range as _bits, halves as _halves, join_bits as _join_bits, key_tile as _key_tile, key_words, key_words_layout, query_order,
+    STEP, bit_range as _bits, halves as _halves, join_bits as _join_bits, key_tile as _key_tile, query_order,
 )
 
 __all__ = ["DIMS", "STEP", "default_splits", "launch", "output_order", "query_order"]

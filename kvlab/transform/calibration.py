@@ -33,6 +33,12 @@ Per layer, for keys and values separately
        at a time to the component whose distortion falls most with one more bit
        (``allocation="greedy"``, greedy marginal allocation on convex curves), or evenly, the
        components of largest variance taking the remainder (``allocation="uniform"``).
+    5. **Bits across layers** (``allocation="global"``). The distortions of different layers, and of keys and
+       values, cost the model different amounts. ``sensitivity`` measures it: with the per-layer codec at
+       ``reference_bits``, the KL divergence of the model's next-token distribution when one layer's keys (or
+       values) alone are coded, per unit of their calibrated distortion (``lambda``). The budget of all layers
+       and both parts is then pooled, and each bit goes to the component, of any layer and part, whose
+       distortion times its ``lambda`` falls most.
 
 Cost
     Constants: per layer and part, the mean, both transforms (``dim^2`` each per group) and the used
@@ -41,6 +47,7 @@ Cost
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -49,11 +56,11 @@ from .. import _checks as C
 from ..calibration import RoPE
 from .codec import MAX_BITS, TransformCodec, TransformKV
 
-__all__ = ["assemble", "calibrate", "capture", "code_budget", "fit_codec", "fit_curves"]
+__all__ = ["assemble", "calibrate", "capture", "code_budget", "fit_codec", "fit_curves", "sensitivity"]
 
 GROUPS = ("joint", "head")
 KEYS = ("pre_rope", "post_rope")
-ALLOCATIONS = ("greedy", "uniform")
+ALLOCATIONS = ("greedy", "uniform", "global")
 RECORDER = "kvlab_transform_calibration"
 LLOYD_ITERATIONS = 25
 FIT_BITS = 7  # widths fitted on the calibration samples (8 levels per ~16 samples would fit noise)
@@ -231,20 +238,25 @@ def fit_curves(x: torch.Tensor, weight: torch.Tensor, *, groups: int, gain: bool
     return fits
 
 
-def assemble(fits: list[dict], budget: int, *, gain: bool = True, allocation: str = "greedy") -> TransformCodec:
-    """The ``TransformCodec`` of ``fit_curves``' groups with ``budget`` code bits per group and token."""
+def assemble(fits: list[dict], budget: int, *, gain: bool = True, allocation: str = "greedy",
+             bits: list[torch.Tensor] | None = None) -> TransformCodec:
+    """The ``TransformCodec`` of ``fit_curves``' groups with ``budget`` code bits per group and token (or the
+    given ``bits``, one ``[width]`` tensor per group)."""
     bit_rows, books = [], []
-    for f in fits:
+    for g, f in enumerate(fits):
         curves = f["curves"].clone()
         curves[:, FIT_BITS + 1 :] = math.inf  # widths past FIT_BITS are never chosen
-        bits = _allocate(curves, min(budget, curves.shape[0] * FIT_BITS), allocation, f["variance"])
-        width = bits.shape[0]
-        book = torch.zeros(width, 1 << int(bits.max()), dtype=torch.float64)
+        if bits is None:
+            row = _allocate(curves, min(budget, curves.shape[0] * FIT_BITS), allocation, f["variance"])
+        else:
+            row = bits[g].long()
+        width = row.shape[0]
+        book = torch.zeros(width, 1 << int(row.max()), dtype=torch.float64)
         for c in range(width):
-            b = int(bits[c])
+            b = int(row[c])
             book[c, : 1 << b] = f["cents"][b][c]
             book[c, 1 << b :] = f["cents"][b][c, -1]
-        bit_rows.append(bits)
+        bit_rows.append(row)
         books.append(book)
     levels = max(b.shape[1] for b in books)
     books = [torch.cat([b, b[:, -1:].expand(-1, levels - b.shape[1])], 1) for b in books]
@@ -260,19 +272,83 @@ def fit_codec(x: torch.Tensor, weight: torch.Tensor, budget: int, *, groups: int
     return assemble(fit_curves(x, weight, groups=groups, gain=gain), budget, gain=gain, allocation=allocation)
 
 
+def _distortion(fits: list[dict], codec: TransformCodec) -> float:
+    """Calibrated distortion of ``codec``'s allocation: per token, summed over its groups and components."""
+    return sum(float(f["curves"][torch.arange(f["curves"].shape[0]), b.long().cpu()].sum())
+               for f, b in zip(fits, codec.bits))
+
+
+def _allocate_globally(units: list[list[dict]], weights: list[float], budget: int) -> list[list[torch.Tensor]]:
+    """Bits per component of every group of every unit (a layer's keys or values): ``budget`` code bits in all, each
+    to the component whose weighted distortion falls most with it (``weights``: one per unit)."""
+    bits = [[torch.zeros(f["curves"].shape[0], dtype=torch.long) for f in fits] for fits in units]
+    heap = [(-w * float(f["curves"][c, 0] - f["curves"][c, 1]), u, g, c)
+            for u, (fits, w) in enumerate(zip(units, weights)) for g, f in enumerate(fits) for c in range(f["curves"].shape[0])]
+    heapq.heapify(heap)
+    for _ in range(budget):
+        if not heap:
+            break
+        _, u, g, c = heapq.heappop(heap)
+        row = bits[u][g]
+        row[c] += 1
+        b, curves = int(row[c]), units[u][g]["curves"]
+        if b < FIT_BITS:
+            heapq.heappush(heap, (-weights[u] * float(curves[c, b] - curves[c, b + 1]), u, g, c))
+    return bits
+
+
+def sensitivity(model, ids: torch.Tensor, kv: TransformKV, *, windows: int = 2, window: int = 1024) -> torch.Tensor:
+    """float64 ``[layers, 2]``: the KL divergence (nats per token) of ``model``'s next-token distribution from its
+    distribution with 16-bit keys and values, when one layer's keys (column 0) or values (column 1) alone are
+    stored by ``kv``'s codec (its sink in 16 bit, no recent window). Measured on ``windows`` windows of ``ids``
+    (starting at ``i * len(ids) // windows``): the first half of a window is the prompt, the second half is scored
+    against the stored prompt, as ``kvlab.perplexity`` scores it."""
+    from ..study.simulated import SimulatedCache, fp16_part, rope_tables, transform_part
+
+    C.check_int("windows", windows, minimum=1)
+    C.check_int("window", window, minimum=4)
+    if ids.dim() != 1 or ids.numel() < window:
+        raise ValueError(f"ids must be 1-d token ids with at least one window of {window}, got shape {tuple(ids.shape)}")
+    device = next(model.parameters()).device
+    tables = rope_tables(model) if kv.rope is not None else None
+    half = window // 2
+
+    def scored(parts, w):
+        cache = SimulatedCache(parts, residual=0, sink=kv.sink)
+        model(w[:, :half], cache=cache, use_cache=True)
+        return torch.log_softmax(model(w[:, half:], cache=cache, use_cache=True).logits[0].double(), -1)
+
+    kl = torch.zeros(kv.layers, 2, dtype=torch.float64)
+    plain = [(fp16_part(), fp16_part()) for _ in range(kv.layers)]
+    with torch.no_grad():
+        for i in range(windows):
+            start = min(i * ids.numel() // windows, ids.numel() - window)
+            w = ids[None, start : start + window].to(device)
+            ref = scored(plain, w)
+            for layer in range(kv.layers):
+                for part in (0, 1):
+                    parts = list(plain)
+                    coded = (transform_part(kv.keys[layer], tables) if part == 0 else transform_part(kv.values[layer]))
+                    parts[layer] = (coded, plain[layer][1]) if part == 0 else (plain[layer][0], coded)
+                    kl[layer, part] += float((ref.exp() * (ref - scored(parts, w))).sum(-1).mean()) / windows
+    return kl
+
+
 # ----------------------------------------------------------------------------- a model
 
 
 def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joint", keys: str = "pre_rope",
               weighting: bool = True, gain: bool = False, allocation: str = "greedy", sink: int = 1,
               residual: int = 16, context: int = 1024, window: int = 1024, captured: list | None = None,
-              fits: dict | None = None) -> TransformKV:
+              fits: dict | None = None, reference_bits: float = 2.5, sensitivity_windows: int = 2) -> TransformKV:
     """Transform codecs for every layer's keys and values of ``model``, calibrated on the 1-d token ids ``ids``
     (see the module docstring). ``bits``: bits per element the cache holds at ``context`` tokens, everything
     counted (codes, gains, the ``sink`` and ``residual`` tokens in 16 bit). ``captured``: the output of
     ``capture(model, ids, window=window)``, to calibrate several variants from one pass; ``fits``: a dict that
-    keeps each layer's transforms and distortion curves between calls (variants that differ only in bits,
-    allocation, sink or window share them)."""
+    keeps each layer's transforms and distortion curves, and the sensitivities, between calls (variants that
+    differ only in bits, allocation, sink or window share them). ``allocation="global"``: ``sensitivity`` of the codec at
+    ``reference_bits`` on ``sensitivity_windows`` windows of ``ids`` weights each layer's keys and values (step 5
+    of the module docstring); it costs two passes over half a window per layer, part and window."""
     C.check_tensor("ids", ids, (torch.int32, torch.int64))
     if ids.dim() != 1 or ids.numel() < window:
         raise ValueError(f"ids must be 1-d token ids with at least one window of {window}, got shape {tuple(ids.shape)}")
@@ -281,6 +357,9 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     C.check_choice("groups", groups, GROUPS)
     C.check_choice("keys", keys, KEYS)
     C.check_choice("allocation", allocation, ALLOCATIONS)
+    if isinstance(reference_bits, bool) or not isinstance(reference_bits, (int, float)) or not 0 < reference_bits <= MAX_BITS:
+        raise ValueError(f"reference_bits must be a number in (0, {MAX_BITS}], got {reference_bits!r}")
+    C.check_int("sensitivity_windows", sensitivity_windows, minimum=1)
     for name, flag in (("weighting", weighting), ("gain", gain)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -289,7 +368,7 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     C.check_int("context", context, minimum=sink + residual + 1)
     data = capture(model, ids, window=window) if captured is None else captured
     fits = {} if fits is None else fits
-    key_codecs, value_codecs = [], []
+    key_codecs, value_codecs, unit_ids = [], [], []
     for i, rec in enumerate(data):
         n, heads, dim = rec["keys"].shape
         g = 1 if groups == "joint" else heads
@@ -304,7 +383,29 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
         if vid not in fits:
             wv = eye if not weighting else _value_weights(model, i, heads, dim)
             fits[vid] = fit_curves(rec["values"], wv, groups=g, gain=gain)
-        key_codecs.append(assemble(fits[kid], budget, gain=gain, allocation=allocation))
-        value_codecs.append(assemble(fits[vid], budget, gain=gain, allocation=allocation))
+        per_layer = "greedy" if allocation == "global" else allocation
+        key_codecs.append(assemble(fits[kid], budget, gain=gain, allocation=per_layer))
+        value_codecs.append(assemble(fits[vid], budget, gain=gain, allocation=per_layer))
+        unit_ids.append((kid, vid))
     rope = RoPE.from_model(model) if keys == "pre_rope" else None
-    return TransformKV(tuple(key_codecs), tuple(value_codecs), rope, sink, residual)
+    kv = TransformKV(tuple(key_codecs), tuple(value_codecs), rope, sink, residual)
+    if allocation != "global":
+        return kv
+    ref = calibrate(model, ids, bits=reference_bits, groups=groups, keys=keys, weighting=weighting, gain=gain,
+                    allocation="greedy", sink=sink, residual=residual, context=context, window=window, captured=data,
+                    fits=fits)
+    sid = ("sensitivity", reference_bits, sensitivity_windows, groups, keys, weighting, gain, sink, residual, context,
+           window, ids.numel(), int(ids.sum()))
+    if sid not in fits:  # variants that differ only in bits share it
+        fits[sid] = sensitivity(model, ids, ref, windows=sensitivity_windows, window=window)
+    kl = fits[sid]
+    units, weights = [], []
+    for i in range(len(data)):
+        for part, codec in ((0, ref.keys[i]), (1, ref.values[i])):
+            unit = fits[unit_ids[i][part]]
+            units.append(unit)
+            weights.append(max(float(kl[i, part]), 1e-12) / max(_distortion(unit, codec), 1e-30))
+    budget = sum(sum(c.group_bits) for c in (*kv.keys, *kv.values))  # the per-layer allocations' bits, pooled
+    bits = _allocate_globally(units, weights, budget)
+    codecs = [assemble(unit, 0, gain=gain, bits=b) for unit, b in zip(units, bits)]
+    return TransformKV(tuple(codecs[0::2]), tuple(codecs[1::2]), rope, sink, residual)

@@ -69,6 +69,33 @@ def test_more_bits_and_greedy_bits_lower_the_weighted_error(tiny):
     assert err[3, "greedy"] <= err[3, "uniform"] * 1.001
 
 
+def test_sensitivity_is_the_kl_of_one_coded_part(tiny):
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=2.5, window=128, captured=data, sink=1, residual=4, context=128)
+    kl = CAL.sensitivity(model, ids[:384], kv, windows=2, window=128)
+    assert kl.shape == (2, 2) and bool((kl > 0).all()) and bool(kl.isfinite().all())
+    rich = CAL.calibrate(model, ids[:384], bits=8, window=128, captured=data, sink=1, residual=4, context=128)
+    assert bool((CAL.sensitivity(model, ids[:384], rich, windows=2, window=128) < kl).all())  # finer codes cost less
+    with pytest.raises(ValueError, match="windows"):
+        CAL.sensitivity(model, ids[:384], kv, windows=0)
+
+
+@pytest.mark.parametrize("groups", ["joint", "head"])
+def test_global_allocation_pools_the_same_bits(tiny, groups):
+    model, ids, data = tiny
+    args = dict(bits=3.0, groups=groups, window=128, captured=data, sink=1, residual=4, context=128)
+    fits = {}
+    per_layer = CAL.calibrate(model, ids[:384], fits=fits, **args)
+    pooled = CAL.calibrate(model, ids[:384], fits=fits, allocation="global", reference_bits=2.0, **args)
+    total = lambda kv: sum(sum(c.group_bits) for c in (*kv.keys, *kv.values))
+    assert total(pooled) == total(per_layer)  # the same code bits, spread over layers and parts by sensitivity
+    assert [c.row_bytes for c in pooled.keys] != [c.row_bytes for c in per_layer.keys] or \
+        [c.row_bytes for c in pooled.values] != [c.row_bytes for c in per_layer.values]
+    x = data[0]["values"].reshape(-1, 32)
+    y = R.transform(pooled.values[0], x)
+    assert torch.isfinite(R.untransform(pooled.values[0], R.dequantize(pooled.values[0], *R.quantize(pooled.values[0], y)))).all()
+
+
 def test_lloyd_matches_the_gaussian_lloyd_max_quantizer():
     u = torch.randn(3, 200000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for bits, mse in ((1, 0.3634), (2, 0.1175), (3, 0.03454)):
@@ -107,6 +134,8 @@ def test_saved_calibration_codes_the_same(tiny, tmp_path):
     (dict(weighting=1), TypeError, "weighting"),
     (dict(sink=-1), ValueError, "sink"),
     (dict(context=4, residual=8), ValueError, "context"),
+    (dict(allocation="global", reference_bits=0), ValueError, "reference_bits"),
+    (dict(allocation="global", sensitivity_windows=0), ValueError, "sensitivity_windows"),
 ])
 def test_bad_arguments(tiny, kwargs, error, match):
     model, ids, data = tiny
