@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from kvlab import RoPE
-from kvlab.transform import TransformCodec
 from kvlab.transform import reference as R
 from kvlab.transform.attention import decode_attention
+
+from transform_codecs import random_codec  # tests/ops/transform_codecs.py
 
 CASES = [  # batch, KV heads, query heads per KV head, head_dim, groups ("joint" 1 / per head), block size, lengths
     (2, 3, 3, 64, 1, 16, (37, 100)),
@@ -17,14 +18,7 @@ CASES = [  # batch, KV heads, query heads per KV head, head_dim, groups ("joint"
 
 
 def codec(width, groups, seed, max_bits=4):
-    g = torch.Generator().manual_seed(seed)
-    dim = width // groups
-    q, _ = torch.linalg.qr(torch.randn(groups, dim, dim, generator=g, dtype=torch.float64))
-    q = q.float()
-    bits = torch.randint(0, max_bits + 1, (groups, dim), generator=g)
-    books = torch.sort(torch.randn(groups, dim, 1 << max_bits, generator=g), -1).values
-    return TransformCodec(torch.randn(groups, dim, generator=g) * 0.3, q.contiguous(), q.transpose(1, 2).contiguous(),
-                          bits, books, True)
+    return random_codec(width, groups, seed, min_bits=0, max_bits=max_bits)
 
 
 @pytest.mark.parametrize("pre_rope", [False, True])

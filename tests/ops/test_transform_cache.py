@@ -8,22 +8,12 @@ import torch
 
 from kvlab import RoPE
 from kvlab.hf.cache import KVCache, KVFormat
-from kvlab.transform import TransformCodec, TransformKV
+from kvlab.transform import TransformKV
 from kvlab.transform import reference as R
+from transform_codecs import random_codec  # tests/ops/transform_codecs.py
 
 B, H, D = 2, 3, 16
 ROPE = RoPE(1e4 ** -(torch.arange(0, D, 2, dtype=torch.float64) / D))
-
-
-def random_codec(width, groups, seed, gain=True, max_bits=4):
-    g = torch.Generator().manual_seed(seed)
-    dim = width // groups
-    q, _ = torch.linalg.qr(torch.randn(groups, dim, dim, generator=g, dtype=torch.float64))
-    q = q.float()
-    bits = torch.randint(1, max_bits + 1, (groups, dim), generator=g)
-    books = torch.sort(torch.randn(groups, dim, 1 << max_bits, generator=g), -1).values
-    return TransformCodec(torch.randn(groups, dim, generator=g) * 0.3, q.contiguous(), q.transpose(1, 2).contiguous(),
-                          bits, books, gain)
 
 
 def random_kv(layers, heads, dim, groups, rope, seed=0):
