@@ -148,10 +148,6 @@ def parameters_source(name: str, src: Path) -> str:
     raise NotebookError(f"{name}: no code cell tagged 'parameters' (it must define `small`)")
 
 
-def check_parameters_cell(name: str, src: Path) -> None:
-    parameters_source(name, src)
-
-
 def reads_executed(name: str) -> bool:
     """Whether a notebook reads the executed chapters (its parameters cell defines `executed_dir`)."""
     src = SOURCES / f"{name}.ipynb"
@@ -242,10 +238,10 @@ def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
     logfile = WORK / f"{name}.log"
     if not src.is_file():
         raise NotebookError(f"{name}: _toc.yml lists book/executed/{name} but {src.relative_to(ROOT)} does not exist")
-    check_parameters_cell(name, src)
+    parameters = parameters_source(name, src)  # checks that the notebook has its parameters cell
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.unlink(missing_ok=True)
-    if SAVE_DIR is not None and re.search(r"^\s*save_results\s*=", parameters_source(name, src), re.M):
+    if SAVE_DIR is not None and re.search(r"^\s*save_results\s*=", parameters, re.M):
         params = [*params, "-p", "save_results", str(SAVE_DIR / f"{name}.json")]
     cmd = [sys.executable, "-m", "papermill", str(src), str(tmp),
            "--cwd", str(ROOT), "--kernel", "python3", "--no-progress-bar",

@@ -195,13 +195,27 @@ def _allocate(curves: torch.Tensor, budget: int, allocation: str, variance: torc
         bits = torch.full((comps,), budget // comps, dtype=torch.long)  # within FIT_BITS by the caller's budget
         bits[variance.argsort(descending=True)[: budget % comps]] += 1
         return bits
-    bits = torch.zeros(comps, dtype=torch.long)
-    gain = curves[:, 0] - curves[:, 1]
+    return _greedy([[curves]], [1.0], budget, MAX_BITS)[0][0]
+
+
+def _greedy(curves: list[list[torch.Tensor]], weights: list[float], budget: int, top: int) -> list[list[torch.Tensor]]:
+    """Greedy marginal allocation: ``budget`` code bits, one at a time, each to the component whose weighted
+    distortion falls most with it, up to ``top`` bits per component. ``curves[u][g]``: the distortion curves
+    ``[C, top + 1]`` of group ``g`` of unit ``u`` (one unit: a layer's keys or values), ``weights[u]`` the unit's
+    weight. Ties go to the first unit, group and component. Returns the bits, shaped as ``curves``."""
+    bits = [[torch.zeros(c.shape[0], dtype=torch.long) for c in unit] for unit in curves]
+    heap = [(-w * float(c[k, 0] - c[k, 1]), u, g, k)
+            for u, (unit, w) in enumerate(zip(curves, weights)) for g, c in enumerate(unit) for k in range(c.shape[0])]
+    heapq.heapify(heap)
     for _ in range(budget):
-        c = int(gain.argmax())
-        bits[c] += 1
-        b = int(bits[c])
-        gain[c] = curves[c, b] - curves[c, b + 1] if b < MAX_BITS else -math.inf
+        if not heap:
+            break
+        _, u, g, k = heapq.heappop(heap)
+        row = bits[u][g]
+        row[k] += 1
+        b, c = int(row[k]), curves[u][g]
+        if b < top:
+            heapq.heappush(heap, (-weights[u] * float(c[k, b] - c[k, b + 1]), u, g, k))
     return bits
 
 
@@ -278,25 +292,6 @@ def _distortion(fits: list[dict], codec: TransformCodec) -> float:
                for f, b in zip(fits, codec.bits))
 
 
-def _allocate_globally(units: list[list[dict]], weights: list[float], budget: int) -> list[list[torch.Tensor]]:
-    """Bits per component of every group of every unit (a layer's keys or values): ``budget`` code bits in all, each
-    to the component whose weighted distortion falls most with it (``weights``: one per unit)."""
-    bits = [[torch.zeros(f["curves"].shape[0], dtype=torch.long) for f in fits] for fits in units]
-    heap = [(-w * float(f["curves"][c, 0] - f["curves"][c, 1]), u, g, c)
-            for u, (fits, w) in enumerate(zip(units, weights)) for g, f in enumerate(fits) for c in range(f["curves"].shape[0])]
-    heapq.heapify(heap)
-    for _ in range(budget):
-        if not heap:
-            break
-        _, u, g, c = heapq.heappop(heap)
-        row = bits[u][g]
-        row[c] += 1
-        b, curves = int(row[c]), units[u][g]["curves"]
-        if b < FIT_BITS:
-            heapq.heappush(heap, (-weights[u] * float(curves[c, b] - curves[c, b + 1]), u, g, c))
-    return bits
-
-
 def sensitivity(model, ids: torch.Tensor, kv: TransformKV, *, windows: int = 2, window: int = 1024) -> torch.Tensor:
     """float64 ``[layers, 2]``: the KL divergence (nats per token) of ``model``'s next-token distribution from its
     distribution with 16-bit keys and values, when one layer's keys (column 0) or values (column 1) alone are
@@ -368,7 +363,7 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     C.check_int("context", context, minimum=sink + residual + 1)
     data = capture(model, ids, window=window) if captured is None else captured
     fits = {} if fits is None else fits
-    key_codecs, value_codecs, unit_ids = [], [], []
+    key_codecs, value_codecs, unit_ids, pooled = [], [], [], 0
     for i, rec in enumerate(data):
         n, heads, dim = rec["keys"].shape
         g = 1 if groups == "joint" else heads
@@ -383,19 +378,20 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
         if vid not in fits:
             wv = eye if not weighting else _value_weights(model, i, heads, dim)
             fits[vid] = fit_curves(rec["values"], wv, groups=g, gain=gain)
-        per_layer = "greedy" if allocation == "global" else allocation
-        key_codecs.append(assemble(fits[kid], budget, gain=gain, allocation=per_layer))
-        value_codecs.append(assemble(fits[vid], budget, gain=gain, allocation=per_layer))
+        if allocation == "global":  # the per-layer budgets, pooled below
+            pooled += sum(max(0, min(budget, f["curves"].shape[0] * FIT_BITS)) for f in (*fits[kid], *fits[vid]))
+        else:
+            key_codecs.append(assemble(fits[kid], budget, gain=gain, allocation=allocation))
+            value_codecs.append(assemble(fits[vid], budget, gain=gain, allocation=allocation))
         unit_ids.append((kid, vid))
     rope = RoPE.from_model(model) if keys == "pre_rope" else None
-    kv = TransformKV(tuple(key_codecs), tuple(value_codecs), rope, sink, residual)
     if allocation != "global":
-        return kv
+        return TransformKV(tuple(key_codecs), tuple(value_codecs), rope, sink, residual)
     ref = calibrate(model, ids, bits=reference_bits, groups=groups, keys=keys, weighting=weighting, gain=gain,
                     allocation="greedy", sink=sink, residual=residual, context=context, window=window, captured=data,
                     fits=fits)
     sid = ("sensitivity", reference_bits, sensitivity_windows, groups, keys, weighting, gain, sink, residual, context,
-           window, ids.numel(), int(ids.sum()))
+           window)
     if sid not in fits:  # variants that differ only in bits share it
         fits[sid] = sensitivity(model, ids, ref, windows=sensitivity_windows, window=window)
     kl = fits[sid]
@@ -405,7 +401,6 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
             unit = fits[unit_ids[i][part]]
             units.append(unit)
             weights.append(max(float(kl[i, part]), 1e-12) / max(_distortion(unit, codec), 1e-30))
-    budget = sum(sum(c.group_bits) for c in (*kv.keys, *kv.values))  # the per-layer allocations' bits, pooled
-    bits = _allocate_globally(units, weights, budget)
-    codecs = [assemble(unit, 0, gain=gain, bits=b) for unit, b in zip(units, bits)]
+    widths = _greedy([[f["curves"] for f in unit] for unit in units], weights, pooled, FIT_BITS)
+    codecs = [assemble(unit, 0, gain=gain, bits=b) for unit, b in zip(units, widths)]
     return TransformKV(tuple(codecs[0::2]), tuple(codecs[1::2]), rope, sink, residual)
