@@ -220,7 +220,7 @@ def main():
                     torch.equal(kref, kc.encode(x16[:4096])) and torch.equal(vref, vc.encode(v16[:4096]))
                 )
             if args.only != "mse_load":
-                store = lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, **c)  # noqa: E731
+                store = lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, launch=kvlab.CodecLaunch(**c))  # noqa: E731
                 ms, cfg = tuned(("mse_store", rot, bits), store)
                 variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
                 kernel = {"kernel": "gluon" if _runs_gluon(lambda: store(**cfg), "mse_store") else "triton"}
@@ -236,7 +236,7 @@ def main():
                     checks[f"mse_load_{rot}_{space}_b{bits}_rel_err"] = rel_err(out[:4096], ref)
                 if rot == "hadamard" and space == "rotated":
                     continue  # the rotated-space load does not depend on the rotation: timed with Haar
-                load = lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, **c)  # noqa: E731
+                load = lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, launch=kvlab.CodecLaunch(**c))  # noqa: E731
                 ms, cfg = tuned(("mse_load", rot, space, bits), load)
                 # model space: which kernel that launch runs (on Hopper, the Gluon kernel of kvlab.mse.gluon_load), recorded
                 kernel = {"kernel": "gluon" if _runs_gluon(lambda: load(**cfg)) else "triton"} if space == "model" else {}
@@ -278,9 +278,9 @@ def main():
                     part = x[:4096] if axis == "token" else x[:, :4096]
                     checks[f"affine_{axis}_b{bits}_bytes_equal"] = bool(
                         torch.equal(kvlab.encode_affine(part, bits, gs, axis), ref.encode(part)))
-                ms, cfg = tuned(("affine_pack", axis, bits), lambda **c: kvlab.encode_affine(x, bits, gs, axis, check=False, **c))
+                ms, cfg = tuned(("affine_pack", axis, bits), lambda **c: kvlab.encode_affine(x, bits, gs, axis, check=False, launch=kvlab.CodecLaunch(**c)))
                 record("affine_pack", f"{axis} groups of {gs}", bits, n, ms, n * DIM * 2 + codes.numel(), cfg)
-                ms, cfg = tuned(("affine_unpack", axis, bits), lambda **c: kvlab.decode_affine(codes, bits, gs, axis, DIM, **c))
+                ms, cfg = tuned(("affine_unpack", axis, bits), lambda **c: kvlab.decode_affine(codes, bits, gs, axis, DIM, launch=kvlab.CodecLaunch(**c)))
                 record("affine_unpack", f"{axis} groups of {gs}", bits, n, ms, codes.numel() + n * DIM * 2, cfg)
                 del codes
 
@@ -289,9 +289,9 @@ def main():
         mixed = kvlab.affine.MixedAffineLayout(alloc, DIM, 32)
         codes = kvlab.affine.encode_affine_mixed(x16, mixed)
         label = "heads " + "/".join(map(str, alloc[:2])) + "..."
-        ms, cfg = tuned("affine_mixed_pack", lambda **c: kvlab.affine.encode_affine_mixed(x16, mixed, check=False, **c))
+        ms, cfg = tuned("affine_mixed_pack", lambda **c: kvlab.affine.encode_affine_mixed(x16, mixed, check=False, launch=kvlab.CodecLaunch(**c)))
         record("affine_mixed_pack", label, "mixed", n, ms, n * DIM * 2 + codes.numel(), cfg)
-        ms, cfg = tuned("affine_mixed_unpack", lambda **c: kvlab.affine.decode_affine_mixed(codes, mixed, **c))
+        ms, cfg = tuned("affine_mixed_unpack", lambda **c: kvlab.affine.decode_affine_mixed(codes, mixed, launch=kvlab.CodecLaunch(**c)))
         record("affine_mixed_unpack", label, "mixed", n, ms, codes.numel() + n * DIM * 2, cfg)
         del codes, by_head
 

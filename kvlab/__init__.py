@@ -11,10 +11,11 @@ its oracle ``reference`` (pure torch; no kernel imports it) and its tests in ``t
 from . import layout, rotation
 from .affine import decode_affine, encode_affine
 from .affine.reference import AffineCodec
-from .attention import decode_attention, prefill_attention
+from .attention import DecodeLaunch, decode_attention, prefill_attention
 from .calibration import RoPE
 from .centered import CenteredMSECodec
 from .layout import MSESlot
+from .launch import CodecLaunch
 from .lloyd_max import lloyd_max
 from .mse import load_mse, store_mse
 from .mse.reference import MSECodec
@@ -30,8 +31,8 @@ __all__ = [
     "KVCache", "KVFormat", "PagedKVCache", "SimulatedCache", "corpus", "generate", "load_model", "perplexity",
     # the codecs (pure torch, the oracle of the kernels), their centroids and the paged cache's byte layout
     "AffineCodec", "CenteredMSECodec", "MSECodec", "MSESlot", "RoPE", "layout", "lloyd_max", "rotation",
-    # the kernels: codes in the paged cache, attention over them
-    "decode_affine", "decode_attention", "encode_affine", "load_mse", "prefill_attention", "store_mse",
+    # the kernels: codes in the paged cache, attention over them, and how they are launched (optional tuning)
+    "CodecLaunch", "DecodeLaunch", "decode_affine", "decode_attention", "encode_affine", "load_mse", "prefill_attention", "store_mse",
 ]
 
 

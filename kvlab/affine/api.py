@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
+from ..launch import CodecLaunch, launch_settings
 from ..layout import AFFINE_BITS as PACK_BITS, packed_bytes
 from .triton import AXES, CHANNEL_PACK_TILE, CHANNEL_UNPACK_TILE, FLAG_NONFINITE, FLAG_OVERFLOW, MAX_TILE_ELEMENTS, PACK_NUM_WARPS, PACK_TILE, TILE_ELEMENTS, UNPACK_NUM_WARPS, affine_pack_channel_kernel, affine_pack_mixed_kernel, affine_pack_token_kernel, affine_unpack_channel_kernel, affine_unpack_mixed_kernel, affine_unpack_token_kernel
 
@@ -47,15 +48,6 @@ def _check_dim(dim: int, group_size: int, axis: str, what: str) -> None:
         raise ValueError(f"{what} ({dim}) must be a multiple of 8")
 
 
-def _check_tunables(block_name: str, block, num_warps) -> None:
-    if block is not None:
-        C.check_int(block_name, block, minimum=1)
-        if block & (block - 1):
-            raise ValueError(f"{block_name} must be a power of two, got {block}")
-    if num_warps is not None:
-        C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16, 32))
-
-
 def _check_out_dtype(out_dtype) -> None:
     if out_dtype not in C.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of (float16, bfloat16, float32), got {out_dtype}")
@@ -88,9 +80,9 @@ def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMEN
     """Rows (vectors, or codes on the channel axis) per program: ``block``, or the default tile."""
     if block is not None and block * row_elements > MAX_TILE_ELEMENTS:
         raise ValueError(
-            f"block_rows={block} gives {block * row_elements} elements per program, more than {MAX_TILE_ELEMENTS}: "
+            f"launch.block_rows={block} gives {block * row_elements} elements per program, more than {MAX_TILE_ELEMENTS}: "
             f"compiled, a program holds its tile in registers (and such a kernel takes minutes to compile); "
-            f"use block_rows <= {max(1, MAX_TILE_ELEMENTS // row_elements)}")
+            f"use launch.block_rows <= {max(1, MAX_TILE_ELEMENTS // row_elements)}")
     return block if block is not None else max(1, min(128, tile // row_elements))
 
 
@@ -125,8 +117,7 @@ def encode_affine(
     axis: str = "token",
     *,
     check: bool = True,
-    block_rows: int | None = None,
-    num_warps: int | None = None,
+    launch: CodecLaunch | None = None,
 ) -> torch.Tensor:
     """Encode ``x`` exactly as ``AffineCodec(bits, group_size, axis).encode(x)``.
 
@@ -135,13 +126,13 @@ def encode_affine(
     (``code_bytes = affine_code_bytes(dim, bits, group_size, axis)``). A non-contiguous x is copied
     to a contiguous one first. ``check=True`` raises ``ValueError`` for NaN/Inf input, fp16-overflowing
     groups or nonzero groups whose fp16 scale and zero both underflow to 0 (one host sync after the launch); ``check=False`` never syncs and leaves such codes undefined.
-    ``block_rows``: vectors (token axis) or codes (channel axis) per program, a power of two, at most
-    65536 elements per program, and ``num_warps`` (default: about 1024 elements per program on the
+    ``launch`` (``kvlab.CodecLaunch``): ``block_rows``, vectors (token axis) or codes (channel axis) per
+    program, a power of two, at most 65536 elements per program, and ``num_warps`` (default: about 1024 elements per program on the
     token axis, 8 vectors of 128; on the channel axis 2 codes of 32 x 128 at 2 and 3 bits, 1 at 4 and
     8; one warp; the fastest on an H200).
     """
     _check_codec(bits, group_size, axis)
-    _check_tunables("block_rows", block_rows, num_warps)
+    block_rows, num_warps = launch_settings(launch, "encode_affine")
     C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1 if axis == "token" else 2)
     C.check_kernel_device("x", x)
     dim = x.shape[-1]
@@ -193,8 +184,7 @@ def decode_affine(
     dim: int,
     out_dtype: torch.dtype = torch.float16,
     *,
-    block_rows: int | None = None,
-    num_warps: int | None = None,
+    launch: CodecLaunch | None = None,
 ) -> torch.Tensor:
     """Decode ``encode_affine`` codes: ``q * scale + zero`` in fp32 (as ``AffineCodec.decode``), cast to out_dtype.
 
@@ -202,7 +192,7 @@ def decode_affine(
     ``tokens = codes.shape[-2] * group_size``; a 1-d code decodes to ``[group_size, dim]``).
     """
     _check_codec(bits, group_size, axis)
-    _check_tunables("block_rows", block_rows, num_warps)
+    block_rows, num_warps = launch_settings(launch, "decode_affine")
     C.check_int("dim", dim, minimum=1)
     _check_dim(dim, group_size, axis, "dim")
     _check_out_dtype(out_dtype)
@@ -323,8 +313,7 @@ def encode_affine_mixed(
     layout: MixedAffineLayout,
     *,
     check: bool = True,
-    block_rows: int | None = None,
-    num_warps: int | None = None,
+    launch: CodecLaunch | None = None,
 ) -> torch.Tensor:
     """Encode a layer's K (or V) ``[..., num_heads, dim]`` with per-head bits -> uint8 ``[..., bytes_per_token]``.
 
@@ -333,7 +322,7 @@ def encode_affine_mixed(
     x's last dimension must be contiguous (else it is copied); other strides are used as they are.
     """
     _check_layout(layout)
-    _check_tunables("block_rows", block_rows, num_warps)
+    block_rows, num_warps = launch_settings(launch, "encode_affine_mixed")
     C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=2)
     C.check_kernel_device("x", x)
     if x.shape[-2] != layout.num_heads:
@@ -375,12 +364,11 @@ def decode_affine_mixed(
     layout: MixedAffineLayout,
     out_dtype: torch.dtype = torch.float16,
     *,
-    block_rows: int | None = None,
-    num_warps: int | None = None,
+    launch: CodecLaunch | None = None,
 ) -> torch.Tensor:
     """Decode ``encode_affine_mixed`` codes ``[..., bytes_per_token]`` -> ``[..., num_heads, dim]`` (one launch)."""
     _check_layout(layout)
-    _check_tunables("block_rows", block_rows, num_warps)
+    block_rows, num_warps = launch_settings(launch, "decode_affine_mixed")
     _check_out_dtype(out_dtype)
     C.check_tensor("codes", codes, (torch.uint8,), ndim_min=1, last_dim=layout.bytes_per_token)
     C.check_kernel_device("codes", codes)

@@ -75,14 +75,14 @@ def _mean_rows(codec, positions, num_tokens: int, device) -> torch.Tensor:
 
 def store_centered_mse(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor,
                        key_codec, value_codec, *, positions: torch.Tensor | None = None, check: bool = True,
-                       block_rows: int | None = None, num_warps: int = 4, piece: int = 128) -> None:
+                       launch=None) -> None:
     """Encode ``key`` (centred MSE) and ``value`` (MSE) ``[num_tokens, num_heads, dim]`` into ``cache`` (in place).
 
     ``cache`` is uint8 ``[num_blocks, block_size, num_heads, MSESlot(dim, key_bits, value_bits).slot_bytes]``,
     contiguous in its last dimension; token ``i`` goes to slot ``slot_mapping[i]``, ``-1`` skips it. The
     bytes equal ``store_slots(cache, slot_mapping, key_codec.encode(key, positions),
     value_codec.encode(value), layout)``; ``positions`` (int ``[num_tokens]``) is needed when the codec's
-    mean turns with the position (``key_codec.rope``). ``check``, ``block_rows``, ``num_warps`` and ``piece`` are
+    mean turns with the position (``key_codec.rope``). ``check`` and ``launch`` (a ``kvlab.CodecLaunch``) are
     those of ``kvlab.mse.store_mse`` (for keys, the norm checked is that of the normalised ``z``).
     """
     _check_centered_codec("key_codec", key_codec)
@@ -111,8 +111,7 @@ def store_centered_mse(key: torch.Tensor, value: torch.Tensor, slot_mapping: tor
     C.check_slot_mapping(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], cache.device, values=False)
     key_mean = _mean_rows(key_codec, positions, num_tokens, cache.device)
     z = (key.float() - key_mean) * _table(key_codec, "inv_scale", cache.device)  # CenteredMSECodec.normalize
-    store_mse(z, value, slot_mapping, cache, key_codec.mse, value_codec, check=check, block_rows=block_rows,
-              num_warps=num_warps, piece=piece)
+    store_mse(z, value, slot_mapping, cache, key_codec.mse, value_codec, check=check, launch=launch)
 
 
 def load_centered_mse(cache: torch.Tensor, slot_mapping: torch.Tensor, codec, space: str = "model",

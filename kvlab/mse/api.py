@@ -35,6 +35,7 @@ from .. import _checks as C
 from .._kernels import tables as T
 from .._kernels.tables import tile_order
 from ..params import MSEParams
+from ..launch import CodecLaunch, launch_settings
 from ..layout import MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
 from .triton_load import load_mse_kernel
 from .triton_store import store_mse_kernel
@@ -239,13 +240,6 @@ def _check_cache(cache) -> None:
         raise ValueError(f"cache must be contiguous in its last (byte) dimension, got strides {cache.stride()}")
 
 
-def _check_tiling(block_rows, num_warps) -> None:
-    C.check_int("block_rows", block_rows, minimum=1)
-    if block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-    C.check_int("num_warps", num_warps, (1, 2, 4, 8, 16, 32))
-
-
 def _block_g(dim: int) -> int:
     return C.next_power_of_2(C.cdiv(dim, GROUP))
 
@@ -263,9 +257,7 @@ def store_mse(
     value_codec,
     *,
     check: bool = True,
-    block_rows: int | None = None,
-    num_warps: int = 4,
-    piece: int = STORE_PIECE,
+    launch: CodecLaunch | None = None,
 ) -> None:
     """Encode ``key`` and ``value`` ``[num_tokens, num_heads, dim]`` into ``cache`` (in place).
 
@@ -281,12 +273,13 @@ def store_mse(
     ``check=False`` skips those checks and never syncs; out-of-range slots are then skipped silently.
 
     Hadamard codecs (``codec.hadamard_signs`` set) are rotated inside the kernel, from the input
-    rows; Haar codecs by a float32 torch GEMM first (see the module docstring). ``num_warps``,
-    ``block_rows`` (a power of two) and ``piece`` tune the launch: a thread holds ``piece`` columns of
-    a row (16, 32, 64 or 128; default 128: a whole row of up to 128 columns), a row's pieces sit on
-    neighbouring lanes and its last butterfly stages pair them, so ``block_rows = 32 * num_warps /
-    pieces`` (the default) is the natural tile: fewer rows leave threads computing copies, more rows
-    put several rows in a thread's registers (spills). The bytes do not depend on the tiling.
+    rows; Haar codecs by a float32 torch GEMM first (see the module docstring). ``launch``
+    (``kvlab.CodecLaunch``: ``num_warps``, default 4, ``block_rows`` and ``piece``) tunes the launch: a
+    thread holds ``piece`` columns of a row (16, 32, 64 or 128; default 128: a whole row of up to 128
+    columns), a row's pieces sit on neighbouring lanes and its last butterfly stages pair them, so
+    ``block_rows = 32 * num_warps / pieces`` (the default) is the natural tile: fewer rows leave threads
+    computing copies, more rows put several rows in a thread's registers (spills). The bytes do not
+    depend on the tiling.
     """
     check_codec("key_codec", key_codec)
     check_codec("value_codec", value_codec)
@@ -315,8 +308,9 @@ def store_mse(
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     num_slots = num_blocks * block_size
     C.check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, values=check)
-    _check_tiling(32 if block_rows is None else block_rows, num_warps)
-    C.check_int("piece", piece, (16, 32, 64, 128))
+    block_rows, num_warps, piece = launch_settings(launch, "store_mse", ("block_rows", "num_warps", "piece"))
+    num_warps = 4 if num_warps is None else num_warps
+    piece = STORE_PIECE if piece is None else piece
     default_tiling = block_rows is None and num_warps == 4 and piece == STORE_PIECE
     pieces = max(1, _store_block_d(dim) // piece)  # threads per row
     block_rows = 32 * num_warps // pieces if block_rows is None else block_rows  # default: a piece per thread
@@ -485,9 +479,7 @@ def load_mse(
     out_dtype: torch.dtype = torch.float16,
     *,
     check: bool = True,
-    block_rows: int | None = None,
-    num_warps: int | None = None,
-    fast: bool | None = None,
+    launch: CodecLaunch | None = None,
 ) -> torch.Tensor:
     """Decode the ``part`` ("key" or "value") codes of ``slot_mapping``'s slots: ``[num_tokens, num_heads, dim]``.
 
@@ -498,10 +490,10 @@ def load_mse(
     ``-1`` (or, with ``check=False``, out of range) come out as zeros. The other part's bit width is
     inferred from the cache's ``slot_bytes``. ``check=True`` (default) checks the slot range with
     one host sync, and that ``codec`` is the codec that wrote ``part`` (when ``store_mse`` wrote the
-    cache); ``check=False`` does not sync. ``block_rows`` (a power of two; default 2048
-    elements per tile, 16 rows of 128; in model space 64 rows) and ``num_warps`` (default one warp,
-    two for 2-bit codes; four in model space) tune the launch (the defaults were the fastest on an
-    H200, ``benchmarks/bench_launch_configs.py --only mse_load``).
+    cache); ``check=False`` does not sync. ``launch`` (``kvlab.CodecLaunch``) tunes the launch:
+    ``block_rows`` (a power of two; default 2048 elements per tile, 16 rows of 128; in model space 64
+    rows) and ``num_warps`` (default one warp, two for 2-bit codes; four in model space) (the defaults
+    were the fastest on an H200, ``benchmarks/bench_launch_configs.py --only mse_load``);
     ``fast`` (model space in the kernel only): look the centroids up with byte permutes of 32-bit
     code words (inline PTX, as the decode kernel does) instead of shifting out and gathering each
     index; ``None`` (default) does when it can: on a GPU, dims of 32, 64 or 128, a symmetric
@@ -525,6 +517,7 @@ def load_mse(
     C.check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, cache.device, values=check)
     if check:
         C.check_reader(cache, *((codec, None) if part == "key" else (None, codec)), names=("codec", "codec"))
+    block_rows, num_warps, fast = launch_settings(launch, "load_mse", ("block_rows", "num_warps", "fast"))
     # model space: fused (an fp16 product in the kernel) for 16-bit outputs; an exact fp32 GEMM for fp32
     # (tiles of 16 to 128 columns: R^T, at most 32 KB in fp16, is loaded once by every program)
     fused = space == "model" and out_dtype != torch.float32 and 16 <= 8 * _block_g(codec.dim) <= 128
@@ -532,9 +525,8 @@ def load_mse(
         block_rows = MODEL_TILE_ROWS if fused else _default_block_rows(codec.dim)
     if num_warps is None:
         num_warps = MODEL_NUM_WARPS if fused else LOAD_NUM_WARPS[codec.bits]
-    _check_tiling(block_rows, num_warps)
     if fused and block_rows < 16:
-        raise ValueError(f"block_rows must be >= 16 for space='model' with a 16-bit out_dtype (a tensor-core tile), got {block_rows}")
+        raise ValueError(f"launch.block_rows must be >= 16 for space='model' with a 16-bit out_dtype (a tensor-core tile), got {block_rows}")
 
     device, dim, num_rows = cache.device, codec.dim, num_tokens * num_heads
     rot, cent = _rotation(codec, device), T.centroids(codec, device)
@@ -543,10 +535,8 @@ def load_mse(
     can_fast = tables is not None and (not T.interpreted() or T.interpreter_runs_ptx())
     if fast is None:
         fast = can_fast
-    elif not isinstance(fast, bool):
-        raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
     elif fast and not can_fast:
-        raise ValueError("fast=True needs space='model' with a 16-bit out_dtype, dim 32, 64 or 128, a symmetric "
+        raise ValueError("launch.fast=True needs space='model' with a 16-bit out_dtype, dim 32, 64 or 128, a symmetric "
                          "4-bit codebook, 2- or 4-byte aligned codes and a CUDA device (inline PTX)")
     # rotated space, 3 bit: the codes as 32-bit words when every code starts on or 2 bytes past a word boundary
     phase = _word_phase(cache, offset)

@@ -11,6 +11,7 @@ import kvlab
 import kvlab.affine.api as affine
 import kvlab.affine.triton
 import kvlab.affine.triton_bits
+from kvlab import CodecLaunch
 from kvlab.affine import MixedAffineLayout
 from kvlab.affine.reference import AffineCodec
 
@@ -136,9 +137,9 @@ def test_tunables_do_not_change_codes(axis):
     ref = AffineCodec(4, 32, axis).encode(x)
     largest = 256 if axis == "token" else 16  # a channel-axis "row" is a code of 32 x 128 elements
     for block_rows, num_warps in [(1, 1), (2, 2), (8, 8), (largest, 4)]:
-        codes = encode_affine(x, 4, 32, axis, block_rows=block_rows, num_warps=num_warps)
+        codes = encode_affine(x, 4, 32, axis, launch=CodecLaunch(block_rows=block_rows, num_warps=num_warps))
         assert_codes_equal(codes, ref)
-        out = decode_affine(codes, 4, 32, axis, 128, block_rows=block_rows, num_warps=num_warps)
+        out = decode_affine(codes, 4, 32, axis, 128, launch=CodecLaunch(block_rows=block_rows, num_warps=num_warps))
         assert torch.equal(out, decode_affine(ref, 4, 32, axis, 128))
 
 
@@ -333,11 +334,11 @@ def test_mixed_matches_per_head_reference(bit_alloc, dim, group_size, lead, dtyp
     unpack = CountingKernel(affine.affine_unpack_mixed_kernel)
     monkeypatch.setattr(affine, "affine_pack_mixed_kernel", pack)
     monkeypatch.setattr(affine, "affine_unpack_mixed_kernel", unpack)
-    codes = encode_affine_mixed(x, layout, block_rows=64)
+    codes = encode_affine_mixed(x, layout, launch=CodecLaunch(block_rows=64))
     ref = mixed_reference(x, layout)
     assert_codes_equal(codes, ref)
     ref_x = mixed_decoded(ref, layout)
-    assert_decoded(decode_affine_mixed(codes, layout, torch.float32, block_rows=64), ref_x, torch.float32)
+    assert_decoded(decode_affine_mixed(codes, layout, torch.float32, launch=CodecLaunch(block_rows=64)), ref_x, torch.float32)
     assert_decoded(decode_affine_mixed(codes, layout), ref_x, torch.float16)
     assert pack.launches == 1 and unpack.launches == 2  # one launch per layer, all heads
 
@@ -382,10 +383,13 @@ BAD = [
     ("codes wrong width", lambda: decode_affine(torch.zeros(2, 39, dtype=torch.uint8), 4, 32, "token", 64), ValueError, "codes must have last dimension 40"),
     ("unpack dim vs group_size", lambda: decode_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 48), ValueError, r"dim \(48\)"),
     ("out_dtype", lambda: decode_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 64, torch.int8), TypeError, "out_dtype"),
-    ("block_rows not a power of two", lambda: encode_affine(_x(2, 64), 4, 32, block_rows=3), ValueError, "block_rows must be a power of two"),
-    ("num_warps", lambda: encode_affine(_x(2, 64), 4, 32, num_warps=3), ValueError, "num_warps"),
-    ("tile too large", lambda: encode_affine(_x(64, 128), 4, 32, "channel", block_rows=32), ValueError, "block_rows=32 gives 131072 elements"),
-    ("unpack tile too large", lambda: decode_affine(torch.zeros(2, 80, dtype=torch.uint8), 4, 32, "token", 128, block_rows=1024),
+    ("block_rows not a power of two", lambda: encode_affine(_x(2, 64), 4, 32, launch=CodecLaunch(block_rows=3)), ValueError, "block_rows must be a power of two"),
+    ("num_warps", lambda: encode_affine(_x(2, 64), 4, 32, launch=CodecLaunch(num_warps=3)), ValueError, "num_warps"),
+    ("launch not a CodecLaunch", lambda: encode_affine(_x(2, 64), 4, 32, launch=4), TypeError, "launch must be a kvlab.CodecLaunch"),
+    ("launch.piece", lambda: decode_affine(torch.zeros(2, 40, dtype=torch.uint8), 4, 32, "token", 64, launch=CodecLaunch(piece=32)),
+     ValueError, "launch.piece does not apply to decode_affine"),
+    ("tile too large", lambda: encode_affine(_x(64, 128), 4, 32, "channel", launch=CodecLaunch(block_rows=32)), ValueError, "block_rows=32 gives 131072 elements"),
+    ("unpack tile too large", lambda: decode_affine(torch.zeros(2, 80, dtype=torch.uint8), 4, 32, "token", 128, launch=CodecLaunch(block_rows=1024)),
      ValueError, "more than 65536"),
     ("bit_alloc entry", lambda: MixedAffineLayout([4, 5], 64, 32), ValueError, r"bit_alloc entries must be in .* bit_alloc\[1\] = 5"),
     ("bit_alloc entry type", lambda: MixedAffineLayout([4, "8"], 64, 32), TypeError, r"bit_alloc\[1\] must be an int"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvlab
-from kvlab import KVCache, KVFormat
+from kvlab import CodecLaunch, KVCache, KVFormat
 from kvlab.calibration import ChannelStats, RoPE, calibrate_keys, key_moments
 from kvlab.centered import load_centered_mse, store_centered_mse
 from kvlab.centered import CenteredMSECodec
@@ -130,7 +130,7 @@ def test_attention_scores_change_by_a_constant_without_the_mean():
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_store_matches_reference_bytes(case, device):
     key, value, slots, positions, cache, ref, key_codec, value_codec = make_batch(case, device)
-    store_centered_mse(key, value, slots, cache, key_codec, value_codec, positions=positions, block_rows=STORE_ROWS)
+    store_centered_mse(key, value, slots, cache, key_codec, value_codec, positions=positions, launch=CodecLaunch(block_rows=STORE_ROWS))
     assert torch.equal(cache.cpu(), ref)
 
 
@@ -140,8 +140,8 @@ def test_store_tiles_and_unchecked_launch(block_rows, num_warps, device):
     (the interpreter runs programs one by one)."""
     case = CASES[3] if block_rows != 1 else (7, *CASES[3][1:])
     key, value, slots, positions, cache, ref, key_codec, value_codec = make_batch(case, device, seed=5)
-    store_centered_mse(key, value, slots, cache, key_codec, value_codec, positions=positions, block_rows=block_rows,
-                       num_warps=num_warps, check=block_rows != 32)
+    store_centered_mse(key, value, slots, cache, key_codec, value_codec, positions=positions,
+                       launch=CodecLaunch(block_rows=block_rows, num_warps=num_warps), check=block_rows != 32)
     assert torch.equal(cache.cpu(), ref)
 
 
@@ -162,7 +162,7 @@ def test_store_flags_bad_values(part, bad, device):
 def test_load_matches_reference(case, space, device):
     key, value, slots, positions, cache, ref, key_codec, value_codec = make_batch(case, device, seed=3)
     layout = kvlab.MSESlot(case[2], case[3], case[4])
-    out = load_centered_mse(ref.to(device), slots, key_codec, space=space, out_dtype=torch.float32, block_rows=LOAD_ROWS,
+    out = load_centered_mse(ref.to(device), slots, key_codec, space=space, out_dtype=torch.float32, launch=CodecLaunch(block_rows=LOAD_ROWS),
                             positions=positions)
     codes, _ = kvlab.mse.reference.load_slots(ref, slots.cpu(), layout)
     expect = key_codec.decode(codes, space, positions)
@@ -174,8 +174,8 @@ def test_load_matches_reference(case, space, device):
 
 def test_load_casts_to_out_dtype(device):
     key, value, slots, positions, cache, ref, key_codec, value_codec = make_batch(CASES[1], device)
-    out = load_centered_mse(ref.to(device), slots, key_codec, out_dtype=torch.float16, block_rows=LOAD_ROWS, positions=positions)
-    full = load_centered_mse(ref.to(device), slots, key_codec, out_dtype=torch.float32, block_rows=LOAD_ROWS, positions=positions)
+    out = load_centered_mse(ref.to(device), slots, key_codec, out_dtype=torch.float16, launch=CodecLaunch(block_rows=LOAD_ROWS), positions=positions)
+    full = load_centered_mse(ref.to(device), slots, key_codec, out_dtype=torch.float32, launch=CodecLaunch(block_rows=LOAD_ROWS), positions=positions)
     assert out.dtype == torch.float16 and torch.equal(out, full.half())
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kvlab
+from kvlab import CodecLaunch
 from kvlab.layout import code_order
 from kvlab.mse import load_mse, store_mse, load_values_model_space, load_values_rotated
 from kvlab.rotation import fwht, hadamard, hadamard_signs
@@ -92,14 +93,14 @@ def make_batch(case, device, seed=0, norm_correction=True):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_store_matches_reference_bytes(case, device):
     key, value, slots, cache, ref, kc, vc, _ = make_batch(case, device)
-    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    store_mse(key, value, slots, cache, kc, vc, launch=CodecLaunch(block_rows=STORE_ROWS))
     assert torch.equal(cache, ref)
 
 
 @pytest.mark.parametrize("case", HADAMARD_CASES, ids=HADAMARD_IDS)
 def test_fused_hadamard_store_matches_reference_bytes(case, device):
     key, value, slots, cache, ref, kc, vc, _ = make_batch(case, device)
-    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    store_mse(key, value, slots, cache, kc, vc, launch=CodecLaunch(block_rows=STORE_ROWS))
     assert torch.equal(cache, ref)
 
 
@@ -172,7 +173,7 @@ def test_store_exact_at_rounding_edges(bits, device):
     key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
     ref = cache.clone()
     kvlab.mse.reference.store_slots(ref, slots, kc.encode(key), vc.encode(value), layout)
-    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    store_mse(key, value, slots, cache, kc, vc, launch=CodecLaunch(block_rows=STORE_ROWS))
     assert torch.equal(cache, ref)
 
 
@@ -183,7 +184,7 @@ def test_load_matches_reference_decode(case, space, device):
     k_codes, v_codes = kvlab.mse.reference.load_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
-        out = load_mse(ref, slots, codec, part=part, space=space, block_rows=LOAD_ROWS)
+        out = load_mse(ref, slots, codec, part=part, space=space, launch=CodecLaunch(block_rows=LOAD_ROWS))
         assert out.dtype == torch.float16 and out.shape == key.shape
         expected = torch.where(keep, codec.decode(codes, space), 0.0)
         assert not out.isnan().any()
@@ -209,10 +210,10 @@ def test_model_space_load_is_within_output_rounding(case, out_dtype, fast, devic
     for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.mse.reference.load_slots(ref, slots, layout)):
         if fast and not _fast_possible(ref, codec, part, layout):
             with pytest.raises(ValueError, match="fast=True needs"):
-                load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, fast=True)
+                load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, launch=CodecLaunch(fast=True))
             continue
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
-        out = load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, block_rows=LOAD_ROWS, fast=fast)
+        out = load_mse(ref, slots, codec, part=part, space="model", out_dtype=out_dtype, launch=CodecLaunch(block_rows=LOAD_ROWS, fast=fast))
         assert out.dtype == out_dtype
         rounding = rel_err(exact.to(out_dtype), exact)
         assert rel_err(out, exact) <= 3 * rounding + 1e-6, (rel_err(out, exact), rounding)
@@ -244,7 +245,7 @@ def test_model_space_load_loops_over_tiles(bits, fast, device, monkeypatch):
     keep = (slots >= 0).view(-1, 1, 1)
     for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.mse.reference.load_slots(cache, slots, layout)):
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
-        out = load_mse(cache, slots, codec, part=part, space="model", block_rows=block_rows, fast=fast)
+        out = load_mse(cache, slots, codec, part=part, space="model", launch=CodecLaunch(block_rows=block_rows, fast=fast))
         rounding = rel_err(exact.half(), exact)
         assert rel_err(out, exact) <= 3 * rounding + 1e-6
         assert torch.equal(out[7], torch.zeros_like(out[7]))
@@ -278,7 +279,7 @@ def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
     for part, codec in (("key", kc), ("value", vc)):
         outs = []
         for rows in (512, block_rows):  # row stores, then bulk stores
-            outs.append(load_mse(cache, slots, codec, part=part, space="model", block_rows=rows))
+            outs.append(load_mse(cache, slots, codec, part=part, space="model", launch=CodecLaunch(block_rows=rows)))
         assert not outs[1].isnan().any()
         assert torch.equal(outs[0], outs[1])
 
@@ -309,7 +310,7 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
         rounding = rel_err(exact.to(out_dtype), exact)
         assert rel_err(out, exact) <= 3 * rounding + 1e-6, (rel_err(out, exact), rounding)
         assert torch.equal(out[5], torch.zeros_like(out[5]))
-        triton_out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype, num_warps=8)  # the Triton kernel
+        triton_out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype, launch=CodecLaunch(num_warps=8))  # the Triton kernel
         assert rel_err(out, triton_out) <= 2 * rounding
 
 
@@ -367,7 +368,7 @@ def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkey
         assert torch.equal(cache, ref)
         assert bool((flat[:shift] == SENTINEL).all()) and bool((flat[shift + ref.numel() :] == SENTINEL).all())
         triton_cache = torch.full_like(cache, SENTINEL)
-        store_mse(key, value, slots, triton_cache, kc, vc, num_warps=8)  # not the default tiling: the Triton kernel
+        store_mse(key, value, slots, triton_cache, kc, vc, launch=CodecLaunch(num_warps=8))  # not the default tiling: the Triton kernel
         assert not calls and torch.equal(triton_cache, cache)
 
 
@@ -444,7 +445,7 @@ def test_load_exact_without_norm_correction(case, device):
     for part, codec, codes in (("key", kc, k_codes), ("value", vc, v_codes)):
         expected = torch.where(keep, codec.decode(codes, "rotated"), 0.0)
         for out_dtype in (torch.float32, torch.float16, torch.bfloat16):
-            out = load_mse(ref, slots, codec, part=part, out_dtype=out_dtype, block_rows=LOAD_ROWS)
+            out = load_mse(ref, slots, codec, part=part, out_dtype=out_dtype, launch=CodecLaunch(block_rows=LOAD_ROWS))
             assert torch.equal(out, expected.to(out_dtype))
 
 
@@ -493,7 +494,7 @@ def test_store_ties_round_half_to_even(device):
     assert idx[4, 1:8].tolist() == [4, 4, 4, 4, 5, 5, 5]  # 1.5s -> 2s, 2s, 2.5s -> 2s, 3s (not above 3s), 3.5s -> 4s, ...
     assert idx[3, 4].item() == 3 and idx[3, 5].item() == 3 and idx[3, 8:10].tolist() == [3, 3]  # 0.5s -> 0, zeros: u > 0 fails
     kvlab.mse.reference.store_slots(ref, slots, codes, vc.encode(key), layout)
-    store_mse(key, key, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    store_mse(key, key, slots, cache, kc, vc, launch=CodecLaunch(block_rows=STORE_ROWS))
     assert torch.equal(cache, ref)
 
 
@@ -503,7 +504,7 @@ def test_store_pieces_do_not_change_bytes(case, piece, device):
     """Rows cut into pieces of 16-64 columns on neighbouring lanes (the cross-lane butterfly stages and the
     norm's sum over pieces) store the reference's bytes."""
     key, value, slots, cache, ref, kc, vc, _ = make_batch(case, device)
-    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS, piece=piece)
+    store_mse(key, value, slots, cache, kc, vc, launch=CodecLaunch(block_rows=STORE_ROWS, piece=piece))
     assert torch.equal(cache, ref)
 
 
@@ -521,9 +522,9 @@ def test_store_register_cap_where_measured():
 @pytest.mark.parametrize("block_rows, num_warps", [(4, 1), (16, 2), (128, 4), (256, 8)])
 def test_tunables_do_not_change_results(block_rows, num_warps, device):
     key, value, slots, cache, ref, kc, vc, _ = make_batch(CASES[6], device)
-    store_mse(key, value, slots, cache, kc, vc, block_rows=block_rows, num_warps=num_warps)
+    store_mse(key, value, slots, cache, kc, vc, launch=CodecLaunch(block_rows=block_rows, num_warps=num_warps))
     assert torch.equal(cache, ref)
-    out = load_mse(cache, slots, vc, part="value", block_rows=block_rows, num_warps=num_warps)
+    out = load_mse(cache, slots, vc, part="value", launch=CodecLaunch(block_rows=block_rows, num_warps=num_warps))
     assert torch.equal(out, load_mse(cache, slots, vc, part="value"))
 
 
@@ -535,7 +536,7 @@ def test_cache_at_odd_addresses(shift, device):
     flat = torch.full((ref.numel() + 16,), SENTINEL, dtype=torch.uint8, device=device)
     cache = flat[shift : shift + ref.numel()].view(ref.shape)
     assert cache.data_ptr() % 4 == shift % 4
-    store_mse(key, value, slots, cache, kc, vc, block_rows=STORE_ROWS)
+    store_mse(key, value, slots, cache, kc, vc, launch=CodecLaunch(block_rows=STORE_ROWS))
     assert torch.equal(cache, ref)
     assert bool((flat[:shift] == SENTINEL).all()) and bool((flat[shift + ref.numel() :] == SENTINEL).all())
     for part, codec in (("key", kc), ("value", vc)):
@@ -708,7 +709,7 @@ BAD = [
     ("value NaN", lambda: _store(value=_nan_value()), ValueError, "value holds NaN or Inf"),
     ("key Inf", lambda: _store(key=torch.full((3, 2, 64), float("-inf"))), ValueError, "key holds NaN or Inf"),
     ("key norm overflows fp16", lambda: _store(key=_big_norm()), ValueError, "key has vectors with norm above"),
-    ("block_rows not a power of two", lambda: _store(block_rows=24), ValueError, "block_rows"),
+    ("block_rows not a power of two", lambda: _store(launch=CodecLaunch(block_rows=24)), ValueError, "launch.block_rows must be a power of two"),
     ("check not a bool", lambda: _store(check=1), TypeError, "check"),
     ("load part", lambda: _load(part="query"), ValueError, "part"),
     ("load space", lambda: _load(space="world"), ValueError, "space"),
@@ -716,13 +717,16 @@ BAD = [
     ("load codec does not fit cache", lambda: _load(codec=codecs(128, 3, 3, "haar")[0]), ValueError, "slot_bytes"),
     ("load slot out of range", lambda: _load(slot_mapping=torch.tensor([0, 8])), ValueError, "slot_mapping values"),
     ("load slot_mapping 2-D", lambda: _load(slot_mapping=torch.zeros(2, 2, dtype=torch.int64)), ValueError, "slot_mapping"),
-    ("load num_warps", lambda: _load(num_warps=3), ValueError, "num_warps"),
-    ("store piece", lambda: _store(piece=8), ValueError, r"piece must be one of \(16, 32, 64, 128\)"),
-    ("load model-space tile", lambda: _load(space="model", block_rows=8), ValueError, "block_rows must be >= 16"),
-    ("load fast type", lambda: _load(space="model", fast=1), TypeError, "fast must be a bool or None"),
-    ("load fast, rotated space", lambda: _load(fast=True), ValueError, "fast=True needs space='model'"),
-    ("load fast, fp32 output", lambda: _load(space="model", out_dtype=torch.float32, fast=True), ValueError,
+    ("load num_warps", lambda: _load(launch=CodecLaunch(num_warps=3)), ValueError, "launch.num_warps must be one of"),
+    ("store piece", lambda: _store(launch=CodecLaunch(piece=8)), ValueError, r"launch.piece must be one of \(16, 32, 64, 128\)"),
+    ("load model-space tile", lambda: _load(space="model", launch=CodecLaunch(block_rows=8)), ValueError, "block_rows must be >= 16"),
+    ("load fast type", lambda: _load(space="model", launch=CodecLaunch(fast=1)), TypeError, "fast must be a bool or None"),
+    ("load fast, rotated space", lambda: _load(launch=CodecLaunch(fast=True)), ValueError, "fast=True needs space='model'"),
+    ("load fast, fp32 output", lambda: _load(space="model", out_dtype=torch.float32, launch=CodecLaunch(fast=True)), ValueError,
      "fast=True needs space='model' with a 16-bit out_dtype"),
+    ("launch not a CodecLaunch", lambda: _store(launch=dict(num_warps=4)), TypeError, "launch must be a kvlab.CodecLaunch or None"),
+    ("store launch.fast", lambda: _store(launch=CodecLaunch(fast=True)), ValueError, "launch.fast does not apply to store_mse"),
+    ("load launch.piece", lambda: _load(launch=CodecLaunch(piece=64)), ValueError, "launch.piece does not apply to load_mse"),
 ]
 
 
