@@ -41,9 +41,9 @@ Tiling
     aligned; bytes when the cache's strides are not multiples of 4).
 
     On a CUDA GPU the Hadamard store at dim 128 and its default tiling runs the Gluon kernel of
-    ``kvlab.mse.gluon_store`` instead (``STORE_GLUON``): a row on four threads, the butterflies within chunks of
-    8 columns, one layout conversion through shared memory, the butterflies across chunks; the same bytes,
-    with 64 registers a thread and four times the resident warps.
+    ``kvlab.mse.gluon_store`` instead (``kvlab.layout.STORE_GLUON_DIMS``): a row on four threads, the
+    butterflies within chunks of 8 columns, one layout conversion through shared memory, the butterflies
+    across chunks; the same bytes, with 64 registers a thread and four times the resident warps.
 
     Eight ``bits``-wide indices make exactly ``bits`` bytes (a "group"): packing sums the eight
     shifted indices of a group into one word, unpacking shifts them back out.
