@@ -344,7 +344,8 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
     device = next(model.parameters()).device
     ids = ids.to(device)
 
-    totals = dict.fromkeys(factories, 0.0)
+    # summed NLL per cache, on the device in float64 (as Python floats would sum it): no sync per scored chunk
+    totals = {name: torch.zeros((), dtype=torch.float64, device=device) for name in factories}
     seconds = dict.fromkeys(factories, 0.0)
     bits = dict.fromkeys(factories, float("nan"))
     with torch.no_grad():
@@ -376,11 +377,14 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
                     for c in range(begin + window - stride - 1, begin + window - 1, chunk):
                         stop = min(c + chunk, begin + window - 1)
                         logits = model(ids[None, c:stop], cache=kv, use_cache=True).logits[0].float()
-                        totals[name] += torch.nn.functional.cross_entropy(logits, ids[c + 1 : stop + 1], reduction="sum").item()
+                        totals[name] += torch.nn.functional.cross_entropy(logits, ids[c + 1 : stop + 1], reduction="sum").double()
                 if hasattr(kv, "held_bits_per_element"):
                     bits[name] = kv.held_bits_per_element()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the window's time includes its device work
                 seconds[name] += time.perf_counter() - t0
     tokens = n_windows * stride
+    totals = {name: total.item() for name, total in totals.items()}
     results = {
         name: Perplexity(math.exp(totals[name] / tokens), totals[name] / tokens, tokens, n_windows, bits[name], seconds[name])
         for name in factories
