@@ -79,19 +79,19 @@ SWEEP = False
 
 
 def tuned(key, call):
-    """Median time of ``call(**config)`` at the best launch config for ``key`` (swept on first use)."""
+    """Median time of ``call(kvlab.CodecLaunch(**config))`` at the best launch config for ``key`` (swept on first use)."""
     if key not in _best:
         times = {}
         configs = TUNABLES.get(key[0], TUNABLES["default"])
         sweep = SWEEP is True or (isinstance(SWEEP, list) and key[0] in SWEEP)
         for cfg in (configs if sweep else configs[:1]):
             try:
-                times[tuple(cfg.items())] = bench(lambda: call(**cfg), reps=60)
+                times[tuple(cfg.items())] = bench(lambda: call(kvlab.CodecLaunch(**cfg)), reps=60)
             except Exception as e:  # a config the kernel rejects or cannot compile
                 print(f"  {key}: {cfg} failed: {type(e).__name__}: {str(e)[:100]}")
         _best[key] = dict(min(times, key=times.get))
     cfg = _best[key]
-    return bench(lambda: call(**cfg)), cfg
+    return bench(lambda: call(kvlab.CodecLaunch(**cfg))), cfg
 
 
 def _runs_gluon(call, module: str = "mse_mma") -> bool:
@@ -220,10 +220,10 @@ def main():
                     torch.equal(kref, kc.encode(x16[:4096])) and torch.equal(vref, vc.encode(v16[:4096]))
                 )
             if args.only != "mse_load":
-                store = lambda **c: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, launch=kvlab.CodecLaunch(**c))  # noqa: E731
+                store = lambda launch: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, launch=launch)  # noqa: E731
                 ms, cfg = tuned(("mse_store", rot, bits), store)
                 variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
-                kernel = {"kernel": "gluon" if _runs_gluon(lambda: store(**cfg), "mse_store") else "triton"}
+                kernel = {"kernel": "gluon" if _runs_gluon(lambda: store(kvlab.CodecLaunch(**cfg)), "mse_store") else "triton"}
                 record("mse_store", variant, bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg | kernel)
             if args.only == "mse_store":
                 del cache
@@ -236,13 +236,14 @@ def main():
                     checks[f"mse_load_{rot}_{space}_b{bits}_rel_err"] = rel_err(out[:4096], ref)
                 if rot == "hadamard" and space == "rotated":
                     continue  # the rotated-space load does not depend on the rotation: timed with Haar
-                load = lambda **c: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, launch=kvlab.CodecLaunch(**c))  # noqa: E731
+                load = lambda launch: kvlab.load_mse(cache, slots, vc, part="value", space=space, check=False, launch=launch)  # noqa: E731
                 ms, cfg = tuned(("mse_load", rot, space, bits), load)
                 # model space: which kernel that launch runs (on Hopper, the Gluon kernel of kvlab.mse.gluon_load), recorded
-                kernel = {"kernel": "gluon" if _runs_gluon(lambda: load(**cfg)) else "triton"} if space == "model" else {}
+                best = kvlab.CodecLaunch(**cfg)
+                kernel = {"kernel": "gluon" if _runs_gluon(lambda: load(best)) else "triton"} if space == "model" else {}
                 record("mse_load", f"value, {space} space" + (", hadamard" if rot == "hadamard" else ""), bits, n, ms,
                        n * layout.value_code_bytes + n * DIM * 2, cfg | kernel,
-                       graph_ms=bench_replayed(lambda: load(**cfg)) if args.only == "mse_load" else None)
+                       graph_ms=bench_replayed(lambda: load(best)) if args.only == "mse_load" else None)
 
             if rot == "hadamard":  # the baseline reads the same slots whatever the rotation: timed with Haar
                 del cache
@@ -278,9 +279,9 @@ def main():
                     part = x[:4096] if axis == "token" else x[:, :4096]
                     checks[f"affine_{axis}_b{bits}_bytes_equal"] = bool(
                         torch.equal(kvlab.encode_affine(part, bits, gs, axis), ref.encode(part)))
-                ms, cfg = tuned(("affine_pack", axis, bits), lambda **c: kvlab.encode_affine(x, bits, gs, axis, check=False, launch=kvlab.CodecLaunch(**c)))
+                ms, cfg = tuned(("affine_pack", axis, bits), lambda launch: kvlab.encode_affine(x, bits, gs, axis, check=False, launch=launch))
                 record("affine_pack", f"{axis} groups of {gs}", bits, n, ms, n * DIM * 2 + codes.numel(), cfg)
-                ms, cfg = tuned(("affine_unpack", axis, bits), lambda **c: kvlab.decode_affine(codes, bits, gs, axis, DIM, launch=kvlab.CodecLaunch(**c)))
+                ms, cfg = tuned(("affine_unpack", axis, bits), lambda launch: kvlab.decode_affine(codes, bits, gs, axis, DIM, launch=launch))
                 record("affine_unpack", f"{axis} groups of {gs}", bits, n, ms, codes.numel() + n * DIM * 2, cfg)
                 del codes
 
@@ -289,9 +290,9 @@ def main():
         mixed = kvlab.affine.MixedAffineLayout(alloc, DIM, 32)
         codes = kvlab.affine.encode_affine_mixed(x16, mixed)
         label = "heads " + "/".join(map(str, alloc[:2])) + "..."
-        ms, cfg = tuned("affine_mixed_pack", lambda **c: kvlab.affine.encode_affine_mixed(x16, mixed, check=False, launch=kvlab.CodecLaunch(**c)))
+        ms, cfg = tuned("affine_mixed_pack", lambda launch: kvlab.affine.encode_affine_mixed(x16, mixed, check=False, launch=launch))
         record("affine_mixed_pack", label, "mixed", n, ms, n * DIM * 2 + codes.numel(), cfg)
-        ms, cfg = tuned("affine_mixed_unpack", lambda **c: kvlab.affine.decode_affine_mixed(codes, mixed, launch=kvlab.CodecLaunch(**c)))
+        ms, cfg = tuned("affine_mixed_unpack", lambda launch: kvlab.affine.decode_affine_mixed(codes, mixed, launch=launch))
         record("affine_mixed_unpack", label, "mixed", n, ms, codes.numel() + n * DIM * 2, cfg)
         del codes, by_head
 

@@ -72,7 +72,7 @@ def main():
     def timed(kernel, variant, bits, configs, call, nbytes):
         for cfg in configs:
             try:
-                record(kernel, variant, bits, cfg, bench(lambda: call(**cfg)), nbytes)
+                record(kernel, variant, bits, cfg, bench(lambda: call(kvlab.CodecLaunch(**cfg))), nbytes)
             except Exception as e:  # a config the kernel rejects or cannot compile
                 print(f"{kernel} {variant} b={bits} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
@@ -84,7 +84,7 @@ def main():
         write_reference_slots(cache, slots, vc, vc, x, x.flip(0), layout)
         configs = [dict(block_rows=br, num_warps=w) for br in (16, 32, 64, 128) for w in (1, 2, 4)]
         timed("mse_load", "value, rotated space", bits, configs,
-              lambda **c: kvlab.load_mse(cache, slots, vc, part="value", check=False, launch=kvlab.CodecLaunch(**c)),
+              lambda launch: kvlab.load_mse(cache, slots, vc, part="value", check=False, launch=launch),
               n * layout.value_code_bytes + n * D * 2)
         del cache
     for bits in (4, 2, 3) if args.only in (None, "mse") else ():
@@ -98,7 +98,7 @@ def main():
                        + [dict(num_warps=w, piece=p) for p in (16, 32, 64) for w in (4, 8)] if sweep else [dict(num_warps=4)])
             variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
             timed("mse_store", variant, bits, configs,
-                  lambda **c: kvlab.store_mse(x, v, slots, cache, kc, vc, check=False, launch=kvlab.CodecLaunch(**c)), 2 * n * D * 2 + n * layout.slot_bytes)
+                  lambda launch: kvlab.store_mse(x, v, slots, cache, kc, vc, check=False, launch=launch), 2 * n * D * 2 + n * layout.slot_bytes)
             if rot == "haar" and bits == 4:
                 rot_m = kc.rotation.to("cuda", torch.float32)
                 record("gemm", "fp32 x.float() @ R, one tensor", "", {}, bench(lambda: x.view(-1, D).float() @ rot_m), n * D * 2 + n * D * 4)
@@ -107,7 +107,7 @@ def main():
             if rot == "haar":
                 configs = [dict(block_rows=br, num_warps=w) for br in (16, 32, 64, 128) for w in (1, 2, 4)]
                 timed("mse_load", "value, rotated space", bits, configs,
-                      lambda **c: kvlab.load_mse(cache, slots, vc, part="value", check=False, launch=kvlab.CodecLaunch(**c)),
+                      lambda launch: kvlab.load_mse(cache, slots, vc, part="value", check=False, launch=launch),
                       n * layout.value_code_bytes + n * D * 2)
             del cache
 
@@ -119,16 +119,16 @@ def main():
             blocks = (4, 8, 16, 32, 64) if axis == "token" else (1, 2, 4, 8)
             configs = [dict(block_rows=br, num_warps=w) for br in blocks for w in (1, 2, 4)]
             timed("affine_pack", f"{axis} groups of 32", bits, configs,
-                  lambda **c: kvlab.encode_affine(xx, bits, 32, axis, check=False, launch=kvlab.CodecLaunch(**c)), n * D * 2 + codes.numel())
+                  lambda launch: kvlab.encode_affine(xx, bits, 32, axis, check=False, launch=launch), n * D * 2 + codes.numel())
             if axis == "channel" and bits == 3:
                 timed("affine_unpack", "channel groups of 32", bits, [dict(block_rows=br, num_warps=w) for br in blocks for w in (4, 8)],
-                      lambda **c: kvlab.decode_affine(codes, bits, 32, axis, D, launch=kvlab.CodecLaunch(**c)), n * D * 2 + codes.numel())
+                      lambda launch: kvlab.decode_affine(codes, bits, 32, axis, D, launch=launch), n * D * 2 + codes.numel())
             del codes
     if args.only in (None, "affine"):
         mixed = kvlab.affine.MixedAffineLayout([4, 8] * (H // 2), D, 32)
         codes = kvlab.affine.encode_affine_mixed(x, mixed)
         timed("affine_mixed_pack", "heads 4/8...", "mixed", [dict(block_rows=br, num_warps=w) for br in (4, 8, 16, 32) for w in (1, 2, 4)],
-              lambda **c: kvlab.affine.encode_affine_mixed(x, mixed, check=False, launch=kvlab.CodecLaunch(**c)), n * D * 2 + codes.numel())
+              lambda launch: kvlab.affine.encode_affine_mixed(x, mixed, check=False, launch=launch), n * D * 2 + codes.numel())
 
     print(f"wrote {path}")
 
