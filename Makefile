@@ -35,8 +35,8 @@ test: setup
 	fi
 	start=$$SECONDS
 	mkdir -p _build
-	# the converted model, once, before the tests and the notebooks load it side by side
-	$(PY) -c 'import kvlab; kvlab.load_model()'
+	# the converted models, once, before the tests and the notebooks load them side by side
+	$(PY) -c 'import kvlab; kvlab.load_model(); kvlab.load_model("gemma3-270m")'
 	echo "make: pytest -q tests in the background, output in _build/pytest.log (TRITON_INTERPRET=$${TRITON_INTERPRET:-unset})"
 	$(PY) -m pytest -q --durations=15 tests > _build/pytest.log 2>&1 &
 	pytest_pid=$$!

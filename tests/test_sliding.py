@@ -1,0 +1,68 @@
+"""KVCache on a model with sliding-window layers (Gemma 3's layout, random weights): it keeps every token and the
+model's masks limit what a sliding layer reads, so its outputs equal the model's own sliding cache."""
+
+import pytest
+import torch
+
+import kvlab
+from kvlab.hf.cache import KVCache, KVFormat
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=64, sliding_window=8, max_position_embeddings=128,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def test_sliding_layers_match_the_models_own_cache(tiny_gemma):
+    model, ids = tiny_gemma
+    r = kvlab.perplexity(model, ids, window=32, stride=12, chunk=4, cache={
+        "model's cache": None,  # transformers' DynamicCache: sliding layers keep their last 8 tokens
+        "kvlab fp32": lambda: KVCache(KVFormat("fp16"), config=model.config, dtype=None),
+        "kvlab mse": lambda: KVCache(KVFormat("mse", 4, 4, rotation="hadamard"), config=model.config),
+    })
+    assert abs(r["kvlab fp32"].nll - r["model's cache"].nll) < 1e-5
+    # the window matters: the same model attending to all tokens in every layer scores otherwise
+    full = type(model)(type(model.config)(**{**model.config.to_dict(), "sliding_window": 64})).eval()
+    full.load_state_dict(model.state_dict())
+    assert abs(kvlab.perplexity(full, ids, window=32, stride=12, chunk=4).nll - r["model's cache"].nll) > 1e-3
+    assert r["kvlab mse"].bits_per_element == pytest.approx(4 + 16 / 64)
+    assert abs(r["kvlab mse"].nll - r["model's cache"].nll) < 0.1
+
+
+def test_generation_paths_refuse_sliding_layers(tiny_gemma):
+    model, ids = tiny_gemma
+    with pytest.raises(ValueError, match="PagedKVCache supports models with full_attention layers only, got layer type 'sliding_attention'"):
+        kvlab.PagedKVCache(KVFormat("mse", 4, 4, rotation="hadamard"), config=model.config, batch_size=1, max_length=64)
+    with pytest.raises(ValueError, match="kvlab.generate supports models with full_attention layers only"):
+        kvlab.generate(model, ids[None, :8], KVFormat("mse", 4, 4, rotation="hadamard"), 2)
+
+
+def test_bos_replaces_every_windows_first_token(tiny_gemma):
+    model, ids = tiny_gemma
+    bos = 2
+    r = kvlab.perplexity(model, ids, window=32, stride=12, bos=bos)
+    nll = 0.0
+    for w in range(r.windows):  # each window by hand: its first token replaced
+        window = ids[w * 12 : w * 12 + 32].clone()
+        window[0] = bos
+        nll += kvlab.perplexity(model, window, window=32, stride=12).nll
+    assert r.nll == pytest.approx(nll / r.windows, rel=1e-6)
+    assert abs(r.nll - kvlab.perplexity(model, ids, window=32, stride=12).nll) > 1e-4
+
+
+@pytest.mark.parametrize("bos, error, match", [(97, ValueError, r"bos must be a token id in \[0, 97\)"),
+                                               (-1, ValueError, "bos"), ("2", TypeError, "bos")])
+def test_bad_bos(tiny_gemma, bos, error, match):
+    model, ids = tiny_gemma
+    with pytest.raises(error, match=match):
+        kvlab.perplexity(model, ids, window=32, stride=12, bos=bos)
