@@ -21,7 +21,14 @@ It writes ``per_window[text][format] = {"nll": [summed NLL per window], "bits": 
 in the layout of ``results/keys_at_three_bits.json``, with what, date, machine, versions, command and
 the codecs' fingerprint (``tests/test_results.py`` checks it against the codecs as they are).
 
+With ``--model gemma3-270m`` the same protocol runs on a second model, Gemma 3 270M (``kvlab.load_model("gemma3-270m")``:
+Q4_K_M GGUF weights dequantized to fp32), every window starting with its BOS token (``kvlab.perplexity(...,
+bos=...)``: Gemma always sees it first), for the formats of the summary's decision table that it can take
+(``GEMMA_FORMATS``): the centred key codec with a constant mean (Gemma's layers turn keys by two RoPE
+frequencies) calibrated, as on SmolLM2, on the last 4096 tokens of the pydoc topics.
+
     nice -n 10 python scripts/measure_formats.py                       # -> results/formats_perplexity.json
+    nice -n 10 python scripts/measure_formats.py --model gemma3-270m   # -> results/formats_perplexity_gemma3_270m.json
     python scripts/measure_formats.py --windows 1 --out /tmp/f.json    # one window per text: a quick check
 
 About 5 minutes on a 2-core CPU.
@@ -57,6 +64,18 @@ FORMATS = {
     "MSE k3v3 Hadamard": KVFormat("mse", 3, 3, rotation="hadamard"),
     "MSE k2v2 Hadamard": KVFormat("mse", 2, 2, rotation="hadamard"),
 }
+# the decision table's formats on Gemma 3 270M: name -> (format, KVCache options)
+GEMMA_FORMATS = {
+    "fp16": (KVFormat("fp16"), {}),
+    "KIVI k4v4": (KVFormat("affine", 4, 4, key_axis="channel"), {}),
+    "KIVI k2v2": (KVFormat("affine", 2, 2, key_axis="channel"), {}),
+    "affine k4v4": (KVFormat("affine", 4, 4), {}),
+    "MSE k4v4 Hadamard": (KVFormat("mse", 4, 4, rotation="hadamard"), {}),
+    "MSE k3v3 Hadamard": (KVFormat("mse", 3, 3, rotation="hadamard"), {}),
+    "centred k4v4": (KVFormat("centered", 4, 4), {"sink": 1}),
+    "centred k3v3": (KVFormat("centered", 3, 3), {"sink": 1}),
+}
+CALIBRATION_TOKENS = 4096  # the last tokens of the pydoc topics, as notebooks/09_keys_at_three_bits.ipynb calibrates
 COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
 
 
@@ -92,12 +111,12 @@ def texts(tokenizer) -> dict[str, torch.Tensor]:
     return {"pydoc": encode(kvlab.corpus())[:EVAL_TOKENS], "idle": encode(idle_manual())[:EVAL_TOKENS]}
 
 
-def measure(model, factories: dict, ids: torch.Tensor, windows: int) -> dict:
+def measure(model, factories: dict, ids: torch.Tensor, windows: int, bos: int | None = None) -> dict:
     """{name: {"nll": [summed NLL per window], "bits": [...]}}: one kvlab.perplexity call per window."""
     out = {name: {"nll": [], "bits": []} for name in factories}
     for w in range(windows):
         r = kvlab.perplexity(model, ids[w * STRIDE : w * STRIDE + WINDOW], window=WINDOW, stride=STRIDE,
-                             cache=dict(factories))
+                             cache=dict(factories), bos=bos)
         for name, x in r.items():
             out[name]["nll"].append(x.nll * x.tokens)
             out[name]["bits"].append(x.bits_per_element)
@@ -116,7 +135,9 @@ def write_json(path, data: dict) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "results" / "formats_perplexity.json"))
+    ap.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
+    ap.add_argument("--out", default=None, help="default: results/formats_perplexity.json, "
+                    "results/formats_perplexity_gemma3_270m.json with --model gemma3-270m")
     ap.add_argument("--windows", type=int, default=(EVAL_TOKENS - WINDOW) // STRIDE + 1,
                     help="windows per text (default: all 7 of the protocol)")
     args = ap.parse_args()
@@ -126,27 +147,46 @@ def main() -> int:
 
     transformers_logging.disable_progress_bar()
     start = time.perf_counter()
-    model, tokenizer = kvlab.load_model(device="cpu")
+    gemma = args.model == "gemma3-270m"
+    out_path = args.out or str(ROOT / "results" / ("formats_perplexity_gemma3_270m.json" if gemma else "formats_perplexity.json"))
+    model, tokenizer = kvlab.load_model(args.model, device="cpu")
     cfg = model.config
-    factories = {name: (lambda f=f: KVCache(f, config=cfg)) for name, f in FORMATS.items()}
+    source = kvlab.hf.model.MODELS[args.model]
+    extra = {}
+    if gemma:
+        from kvlab.calibration import calibrate_keys
+
+        pydoc = tokenizer(kvlab.corpus(), return_tensors="pt", add_special_tokens=False).input_ids[0]
+        calib = pydoc[-CALIBRATION_TOKENS:].clone()
+        calib[0] = tokenizer.bos_token_id
+        stats = calibrate_keys(model, calib, window=1024, mean="constant")
+        formats = GEMMA_FORMATS
+        factories = {name: (lambda f=f, o=o: KVCache(f, config=cfg, key_stats=stats, **o)) for name, (f, o) in formats.items()}
+        extra = {"bos": tokenizer.bos_token_id, "calibration": f"the last {CALIBRATION_TOKENS} tokens of the pydoc topics, "
+                 "BOS first; kvlab.calibration.calibrate_keys(model, ids, window=1024, mean='constant')"}
+        described = {name: repr(f) + "".join(f", {k}={v}" for k, v in o.items()) for name, (f, o) in formats.items()}
+    else:
+        factories = {name: (lambda f=f: KVCache(f, config=cfg)) for name, f in FORMATS.items()}
+        described = {name: repr(f) for name, f in FORMATS.items()}
     per_window = {}
     for t, ids in texts(tokenizer).items():
         assert ids.numel() == EVAL_TOKENS, f"{t}: fewer than {EVAL_TOKENS} tokens"
-        per_window[t] = measure(model, factories, ids, args.windows)
+        per_window[t] = measure(model, factories, ids, args.windows, tokenizer.bos_token_id if gemma else None)
         print(f"measure_formats: {t} done after {time.perf_counter() - start:.0f} s", flush=True)
     seconds = time.perf_counter() - start
 
-    # the same protocol as the committed results: the fp16 baseline's windows agree
-    committed = json.loads(COMMITTED.read_text())
-    assert (committed["eval_tokens"], committed["window"], committed["stride"]) == (EVAL_TOKENS, WINDOW, STRIDE)
-    for t, per in per_window.items():
-        ref = committed["per_window"][t]["fp16"]["nll"]
-        drift = max(abs(a / b - 1) for a, b in zip(per["fp16"]["nll"], ref))
-        assert drift < 1e-3, f"{t}: the fp16 windows differ from {COMMITTED.name} by {drift:.2e}: not the same protocol"
+    if not gemma:  # the same protocol as the committed results: the fp16 baseline's windows agree
+        committed = json.loads(COMMITTED.read_text())
+        assert (committed["eval_tokens"], committed["window"], committed["stride"]) == (EVAL_TOKENS, WINDOW, STRIDE)
+        for t, per in per_window.items():
+            ref = committed["per_window"][t]["fp16"]["nll"]
+            drift = max(abs(a / b - 1) for a, b in zip(per["fp16"]["nll"], ref))
+            assert drift < 1e-3, f"{t}: the fp16 windows differ from {COMMITTED.name} by {drift:.2e}: not the same protocol"
 
     data = {
-        "what": "Perplexity of SmolLM2-135M-Instruct (Q4_1 GGUF weights dequantized to fp32) with keys and values "
-                "stored by each format, on the full protocol of notebooks/09_keys_at_three_bits.ipynb; "
+        "what": f"Perplexity of {source.name} ({source.weights} GGUF weights dequantized to fp32) with keys and values "
+                "stored by each format, on the full protocol of notebooks/09_keys_at_three_bits.ipynb"
+                + (", every window starting with the BOS token" if gemma else "") + "; "
                 "per_window[text][format]: summed NLL (nats) of the "
                 f"{STRIDE} scored tokens and bits per element held, per window of {WINDOW} tokens, stride {STRIDE}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -155,13 +195,13 @@ def main() -> int:
                      "transformers": transformers.__version__, "triton": triton.__version__},
         "command": "python scripts/measure_formats.py" + "".join(f" {a}" for a in sys.argv[1:]),
         "codec_fingerprint": codec_fingerprint(),
-        "model": kvlab.hf.model.MODEL_NAME + " (" + kvlab.hf.model.GGUF_FILE + ", dequantized to fp32)",
-        "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE,
+        "model": f"{source.name} ({source.gguf}, dequantized to fp32)",
+        "eval_tokens": EVAL_TOKENS, "window": WINDOW, "stride": STRIDE, **extra,
         "baseline": "fp16: KVCache(KVFormat('fp16')), keys and values rounded to fp16, the model in fp32",
-        "formats": {name: repr(f) for name, f in FORMATS.items()},
+        "formats": described,
         "per_window": per_window, "seconds": round(seconds, 1),
     }
-    out = write_json(args.out, data)
+    out = write_json(out_path, data)
     print(f"measure_formats: wrote {out} in {seconds:.0f} s", flush=True)
     return 0
 

@@ -9,7 +9,7 @@ from kvlab.study.fingerprint import codec_fingerprint, transform_fingerprint
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 # results a page compares its live measurements with: they must carry the fingerprint of the codecs they used
-CODEC_RESULTS = ["keys_at_three_bits.json", "formats_perplexity.json", "perplexity_h200.json"]
+CODEC_RESULTS = ["keys_at_three_bits.json", "formats_perplexity.json", "formats_perplexity_gemma3_270m.json", "perplexity_h200.json"]
 
 
 @pytest.mark.parametrize("name", CODEC_RESULTS)
