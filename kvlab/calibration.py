@@ -80,6 +80,11 @@ class RoPE:
             inv_freq = getattr(module, "inv_freq", None)
             if isinstance(inv_freq, torch.Tensor):
                 return cls(inv_freq.detach().to("cpu", torch.float64), float(getattr(module, "attention_scaling", 1.0)))
+        kinds = sorted({n[: -len("_inv_freq")] for m in model.modules() for n, _ in m.named_buffers(recurse=False)
+                        if n.endswith("_inv_freq") and not n.endswith("original_inv_freq")})
+        if kinds:
+            raise ValueError(f"the model turns keys with one rotary embedding per layer type ({', '.join(kinds)}), which "
+                             "kvlab.calibration.RoPE does not model; use mean='constant' (keys='post_rope' for the transform codec)")
         raise ValueError("the model has no rotary embedding (no module with an inv_freq buffer); use mean='constant'")
 
     @property

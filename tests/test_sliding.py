@@ -66,3 +66,32 @@ def test_bad_bos(tiny_gemma, bos, error, match):
     model, ids = tiny_gemma
     with pytest.raises(error, match=match):
         kvlab.perplexity(model, ids, window=32, stride=12, bos=bos)
+
+
+def test_several_rotary_embeddings_are_named(tiny_gemma):
+    from kvlab.calibration import calibrate_keys
+    from kvlab.transform.calibration import calibrate
+
+    model, ids = tiny_gemma
+    many = r"one rotary embedding per layer type \(full_attention, sliding_attention\).*mean='constant'"
+    with pytest.raises(ValueError, match=many):
+        calibrate_keys(model, ids, window=32)  # mean="rope" by default
+    with pytest.raises(ValueError, match=many + r".*keys='post_rope'"):
+        calibrate(model, ids, window=32, keys="pre_rope")
+
+
+def test_transform_codec_after_rope_on_a_sliding_model(tiny_gemma):
+    from kvlab.calibration import calibrate_keys
+    from kvlab.transform.calibration import calibrate
+
+    model, ids = tiny_gemma
+    kv = calibrate(model, ids, bits=3.5, window=32, keys="post_rope", context=32, residual=4)
+    assert kv.rope is None
+    stats = calibrate_keys(model, ids, window=32, mean="constant")
+    r = kvlab.perplexity(model, ids, window=32, stride=12, chunk=4, cache={
+        "fp16": lambda: KVCache(KVFormat("fp16"), config=model.config),
+        "transform": lambda: KVCache(KVFormat("transform"), config=model.config, transform=kv, sink=1, residual=4),
+        "centred": lambda: KVCache(KVFormat("centered", 4, 4), config=model.config, key_stats=stats, sink=1),
+    })
+    for name in ("transform", "centred"):
+        assert abs(r[name].nll - r["fp16"].nll) < 0.1, name

@@ -70,13 +70,17 @@ FIT_BITS = 7  # widths fitted on the calibration samples (8 levels per ~16 sampl
 
 
 def capture(model, ids: torch.Tensor, *, window: int = 1024) -> list[dict]:
-    """Per layer: ``keys`` (after RoPE), ``keys_pre`` (RoPE undone), ``values`` as float32 ``[N, H, D]`` over the
+    """Per layer: ``keys`` (after RoPE), ``keys_pre`` (RoPE undone; ``None`` for a model whose layers use several
+    rotary embeddings, e.g. Gemma 3), ``values`` as float32 ``[N, H, D]`` over the
     tokens of ``ids`` except each window's first, and the query moments of each KV head's group (float64):
     ``q_square [H, D]`` (sum over the group of ``E[q_c^2]``) and ``q_outer [H, D, D]`` (of ``E[q q^T]``)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    rope = RoPE.from_model(model)
+    try:
+        rope = RoPE.from_model(model)
+    except ValueError:  # no single RoPE: keys can be calibrated after RoPE only
+        rope = None
     layers: dict[int, dict] = {}
 
     def record(module, query, key, value, attention_mask, **kwargs):
@@ -87,7 +91,8 @@ def capture(model, ids: torch.Tensor, *, window: int = 1024) -> list[dict]:
         q = query.detach().double().cpu().reshape(b, heads, -1, n, dim)[:, :, :, 1:]  # [B, H, group, n-1, D]
         rec = layers.setdefault(i, {"keys": [], "keys_pre": [], "values": [], "q_square": 0, "q_outer": 0, "q_n": 0})
         rec["keys"].append(k[:, :, 1:].transpose(1, 2).reshape(-1, heads, dim).float())
-        rec["keys_pre"].append(rope.undo(k, pos)[:, :, 1:].transpose(1, 2).reshape(-1, heads, dim).float())
+        if rope is not None:
+            rec["keys_pre"].append(rope.undo(k, pos)[:, :, 1:].transpose(1, 2).reshape(-1, heads, dim).float())
         rec["values"].append(value.detach().float().cpu()[:, :, 1:].transpose(1, 2).reshape(-1, heads, dim))
         rec["q_square"] = rec["q_square"] + q.square().sum((0, 3)).sum(1)  # [H, D]
         rec["q_outer"] = rec["q_outer"] + torch.einsum("bhgnd,bhgne->hde", q, q)  # [H, D, D]
@@ -107,7 +112,7 @@ def capture(model, ids: torch.Tensor, *, window: int = 1024) -> list[dict]:
     out = []
     for i in sorted(layers):
         rec = layers[i]
-        out.append({"keys": torch.cat(rec["keys"]), "keys_pre": torch.cat(rec["keys_pre"]),
+        out.append({"keys": torch.cat(rec["keys"]), "keys_pre": torch.cat(rec["keys_pre"]) if rope is not None else None,
                     "values": torch.cat(rec["values"]), "q_square": rec["q_square"] / rec["q_n"],
                     "q_outer": rec["q_outer"] / rec["q_n"]})
     return out
@@ -361,6 +366,7 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     C.check_int("sink", sink, minimum=0)
     C.check_int("residual", residual, minimum=0)
     C.check_int("context", context, minimum=sink + residual + 1)
+    rope = RoPE.from_model(model) if keys == "pre_rope" else None  # a ValueError naming keys='post_rope' without one RoPE
     data = capture(model, ids, window=window) if captured is None else captured
     fits = {} if fits is None else fits
     key_codecs, value_codecs, unit_ids, pooled = [], [], [], 0
@@ -384,7 +390,6 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
             key_codecs.append(assemble(fits[kid], budget, gain=gain, allocation=allocation))
             value_codecs.append(assemble(fits[vid], budget, gain=gain, allocation=allocation))
         unit_ids.append((kid, vid))
-    rope = RoPE.from_model(model) if keys == "pre_rope" else None
     if allocation != "global":
         return TransformKV(tuple(key_codecs), tuple(value_codecs), rope, sink, residual)
     ref = calibrate(model, ids, bits=reference_bits, groups=groups, keys=keys, weighting=weighting, gain=gain,
