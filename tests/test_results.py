@@ -31,3 +31,11 @@ def test_transform_results_match_the_codec():
     assert data["codec_fingerprint"] == transform_fingerprint(), (
         "results/transform_codec.json was measured with another calibration or encoding of the transform codec: "
         "measure it again (its 'command' field says how)")
+
+
+def test_second_model_results_match_the_transform_codec():
+    """results/formats_perplexity_gemma3_270m.json holds transform codec rows: measured with the codec as it is."""
+    data = json.loads((RESULTS / "formats_perplexity_gemma3_270m.json").read_text())
+    assert data["transform_fingerprint"] == transform_fingerprint(), (
+        "results/formats_perplexity_gemma3_270m.json was measured with another transform codec: measure it again "
+        "(its 'command' field says how)")
