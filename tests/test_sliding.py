@@ -95,3 +95,12 @@ def test_transform_codec_after_rope_on_a_sliding_model(tiny_gemma):
     })
     for name in ("transform", "centred"):
         assert abs(r[name].nll - r["fp16"].nll) < 0.1, name
+
+
+def test_model_generate_through_kvcache(tiny_gemma):
+    model, ids = tiny_gemma
+    prompt = ids[None, :20]  # longer than the sliding window of 8
+    own = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    cache = KVCache(KVFormat("fp16"), config=model.config, dtype=None)
+    ours = model.generate(prompt, cache=cache, max_new_tokens=12, do_sample=False)
+    assert torch.equal(ours, own) and cache.get_seq_length() == 31
