@@ -157,13 +157,12 @@ def main() -> int:
     extra = {}
     if gemma:
         from kvlab.calibration import calibrate_keys
+        from kvlab.study.fingerprint import transform_fingerprint
+        from kvlab.transform.calibration import calibrate
 
         pydoc = tokenizer(kvlab.corpus(), return_tensors="pt", add_special_tokens=False).input_ids[0]
         calib = pydoc[-CALIBRATION_TOKENS:].clone()
         calib[0] = tokenizer.bos_token_id
-        from kvlab.study.fingerprint import transform_fingerprint
-        from kvlab.transform.calibration import calibrate
-
         stats = calibrate_keys(model, calib, window=1024, mean="constant")
         formats = GEMMA_FORMATS
         factories = {name: (lambda f=f, o=o: KVCache(f, config=cfg, key_stats=stats, **o)) for name, (f, o) in formats.items()}
