@@ -8,6 +8,7 @@ tables. Every launcher (MSE store and load, the decode loops) takes its tables t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 
@@ -98,7 +99,20 @@ def sm_count(device: torch.device) -> int:
 
 
 def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def compiled(device) -> bool:
+    """Whether kernels on ``device`` run compiled for a CUDA GPU (else Triton's interpreter runs them). Every
+    choice of a GPU-only path (Gluon kernels, inline PTX, tile sizes and register caps) asks this."""
+    return torch.device(device).type == "cuda" and not interpreted()
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability ``(major, minor)`` of a CUDA device."""
+    return torch.cuda.get_device_capability(device)
 
 
 def on_device(device: torch.device):

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -173,16 +172,11 @@ def _default_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int, 
     return max(1, min(want, C.cdiv(capacity, max(MIN_SPLIT_TOKENS, block_n))))
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) -> str | None:
     """Why the loop of ``kvlab.attention.gluon`` cannot run this call, or None."""
-    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not T.compiled(q.device):
         return "a CUDA GPU (Triton's interpreter cannot run Gluon kernels)"
-    if _capability(q.device) < (8, 0):
+    if T.capability(q.device) < (8, 0):
         return "a GPU of compute capability 8.0 or later (mma.sync m16n8k16)"
     if kind != "mse" or centered is not None or key_codec.bits not in decode_mma.BITS or value_codec.bits not in decode_mma.BITS:
         widths = ", ".join(map(str, decode_mma.BITS[:-1])) + f" or {decode_mma.BITS[-1]}"
@@ -378,7 +372,7 @@ def decode_attention(
     if num_splits is None:
         num_splits = _default_splits(batch, num_kv_heads, capacity, block_n, q.device)
     C.check_int("num_splits", num_splits, minimum=1)
-    interpreted = q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpreted = not T.compiled(q.device)
     if fast is None:  # inline PTX: only when compiled for a GPU
         fast = not interpreted and tuned["fast"]
     if not isinstance(fast, bool):
@@ -448,7 +442,7 @@ class DecodeStep:
         num_blocks, block_size, num_kv_heads, _ = cache.shape
         capacity = block_table.shape[1] * block_size
         q_scale = (dim**-0.5 if scale is None else scale) * LOG2E
-        interpreted = device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        interpreted = not T.compiled(device)
         if _takes_mma_loop(q, num_kv_heads, kind, None, key_codec, value_codec, None, []):
             rot_q, order_v = _mma_tables(key_codec, value_codec, dim, q_scale, device)
             split_len, num_splits = _mma_split_len(batch, num_kv_heads, capacity, None, device)

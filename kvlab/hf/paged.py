@@ -73,7 +73,7 @@ from ..attention.reference import decode_attention_reference, prefill_attention_
 
 __all__ = ["ATTENTION", "PagedKVCache", "PagedKVCacheLayer", "fused_support", "paged_attention"]
 
-ATTENTION = "kvlab"  # the attention implementation name: model.set_attn_implementation(kvlab.ATTENTION)
+ATTENTION = "kvlab"  # the attention implementation name: model.set_attn_implementation("kvlab")
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -411,7 +411,7 @@ def _store_specs(parts, codecs, layout, slot_mapping, cache, norms, num_rows: in
     num_blocks, block_size, num_heads, _ = cache.shape
     num_slots = num_blocks * block_size
     device = cache.device
-    gluon = device.type == "cuda" and not T.interpreted() and default_tiling
+    gluon = T.compiled(device) and default_tiling
     specs = []
     for p, codec, offset, index_bytes, part_norms in (
         (parts[0], codecs[0], 0, layout.key_bytes, norms[0]),
@@ -542,7 +542,7 @@ def load_mse(
     phase = _word_phase(cache, offset)
     words3 = not fused and codec.bits == 3 and dim in (32, 64, 128, 256) and phase is not None
     out = torch.empty(num_rows, dim, dtype=out_dtype if space == "rotated" or fused else torch.float32, device=device)
-    major = None if T.interpreted() else torch.cuda.get_device_capability(device)[0]  # compute capability
+    major = T.capability(device)[0] if T.compiled(device) else None  # compute capability
     # fused, compiled for Hopper at the default tile: the Gluon kernel (centroid tiles made in the MMA's registers)
     mma = (fused and fast and major == 9 and block_rows == MODEL_TILE_ROWS
            and num_warps == MODEL_NUM_WARPS)

@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 
 from ..layout import STORE_GLUON_DIMS as DIMS
 
-__all__ = ["DIMS", "launch", "layout_constants", "layouts", "options", "rows", "supports"]
+__all__ = ["DIMS", "layout_constants", "layouts", "options", "rows", "spec", "supports"]
 
 LANES = 4  # threads a row
 WARPS = 4
@@ -304,9 +304,3 @@ def spec(args: tuple, constants: dict):
     kwargs = dict(zip(store_kernel.arg_names, args), **constants, ROWS=rows(),
                   **layout_constants(constants["D"], constants["BITS"]))
     return store_kernel, grid, kwargs, options(constants["BITS"])
-
-
-def launch(args: tuple, constants: dict) -> None:
-    """Launch ``store_kernel`` (``spec``)."""
-    fn, grid, kwargs, opts = spec(args, constants)
-    fn[grid](**kwargs, **opts)

@@ -21,13 +21,12 @@ Layout: ``kvlab.transform.codec``. On a CPU the kernels run in Triton's interpre
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import _checks as C
+from .._kernels import tables as T
 from .codec import TransformCodec
 
 __all__ = ["check_cache", "load_transform", "store_transform"]
@@ -39,8 +38,7 @@ BLOCK_ELEMENTS, INTERPRETED_BLOCK_ELEMENTS = 2048, 8192
 
 
 def _block_elements(device) -> int:
-    interpreted = torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return INTERPRETED_BLOCK_ELEMENTS if interpreted else BLOCK_ELEMENTS
+    return BLOCK_ELEMENTS if T.compiled(device) else INTERPRETED_BLOCK_ELEMENTS
 
 
 # ----------------------------------------------------------------------------- device tables

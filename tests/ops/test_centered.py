@@ -13,13 +13,14 @@ import torch
 
 import kvlab
 from kvlab import CodecLaunch, KVCache, KVFormat
+from kvlab._kernels.tables import interpreted
 from kvlab.calibration import ChannelStats, RoPE, calibrate_keys, key_moments
 from kvlab.centered import load_centered_mse, store_centered_mse
 from kvlab.centered import CenteredMSECodec
 
 SENTINEL = 0xAB
-STORE_ROWS = None if torch.cuda.is_available() else 512
-LOAD_ROWS = 64 if torch.cuda.is_available() else 256
+STORE_ROWS = 512 if interpreted() else None  # the interpreter: large tiles; compiled: the default tiling
+LOAD_ROWS = 256 if interpreted() else 64
 
 # tokens, heads, dim, key_bits, value_bits, rotation, input dtype, block_size, mean turns with RoPE
 CASES = [

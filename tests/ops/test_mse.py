@@ -19,13 +19,14 @@ import torch
 
 import kvlab
 from kvlab import CodecLaunch
+from kvlab._kernels.tables import capability, compiled, interpreted
 from kvlab.layout import code_order
 from kvlab.mse import load_mse, store_mse, load_values_model_space, load_values_rotated
 from kvlab.rotation import fwht, hadamard, hadamard_signs
 
 SENTINEL = 0xAB
-STORE_ROWS = None if torch.cuda.is_available() else 512  # block_rows of the store tests
-LOAD_ROWS = 64 if torch.cuda.is_available() else 256  # and of the load tests
+STORE_ROWS = 512 if interpreted() else None  # block_rows of the store tests
+LOAD_ROWS = 256 if interpreted() else 64  # and of the load tests
 
 # tokens, heads, dim, key_bits, value_bits, rotation, input dtype, block_size
 CASES = [
@@ -271,7 +272,7 @@ def test_model_space_bulk_store_equals_row_stores(bits, device, monkeypatch):
     """The model-space load writes its tiles by bulk stores through a tensor descriptor of the output
     (tiles of at most 256 rows): the same values as its 16-byte row stores (larger tiles), in every row, the last
     tile partial."""
-    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+    if compiled(device) and capability(device)[0] < 9:
         pytest.skip("bulk tensor stores need sm_90 or later")
     dim, heads, block_rows = 128, 3, 16
     tokens = 5 * block_rows + 7  # 261 rows: 17 tiles, the last one 5 rows
@@ -291,7 +292,7 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
     registers of the MMA's operand, stores from the accumulator): every row within a small multiple of the
     output's rounding of the reference, and close to the Triton kernel's, over more tiles than programs,
     the last tile partial, keys (4-byte aligned) and values (2 bytes past a word boundary), a padding slot."""
-    if device != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+    if not compiled(device) or capability(device)[0] != 9:
         pytest.skip("the Gluon model-space load needs a Hopper GPU (warpgroup MMA)")
     from kvlab.mse import gluon_load as mse_mma
 
@@ -349,7 +350,7 @@ def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkey
     """On a GPU the Hadamard store at dim 128 runs the Gluon kernel of ``kvlab.mse.gluon_store``: the reference's bytes
     (and the Triton kernel's) for every key/value width, keys and values at both word phases (a cache 2 bytes past
     an aligned address swaps them), rows past the last tile, padding slots, each tiling of 4 or 8 threads a row."""
-    if device != "cuda":
+    if not compiled(device):
         pytest.skip("the Gluon store runs on CUDA GPUs (Triton's interpreter cannot run Gluon)")
     from kvlab.mse import gluon_store as mse_store
 
@@ -357,7 +358,7 @@ def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkey
     monkeypatch.setattr(mse_store, "ROWS_PER_THREAD", rows_per_thread)
     monkeypatch.setattr(mse_store, "WARPS", warps)
     calls = []
-    monkeypatch.setattr(mse_store, "launch", lambda *a, _launch=mse_store.launch: calls.append(1) or _launch(*a))
+    monkeypatch.setattr(mse_store, "spec", lambda *a, _spec=mse_store.spec: calls.append(1) or _spec(*a))
     for kb, vb in [(2, 3), (3, 4), (4, 2), (4, 4)]:
         key, value, slots, _, ref, kc, vc, layout = make_batch((157, 3, 128, kb, vb, "hadamard", dtype, 16), device)
         flat = torch.full((ref.numel() + 16,), SENTINEL, dtype=torch.uint8, device=device)
