@@ -54,7 +54,7 @@ PAGE_PROBE = r"""
 async (mathjaxTimeoutMs) => {
   const report = {mathElements: 0, mathjaxLoaded: false, mathjaxDone: false, mathjaxError: null,
                   unrendered: [], mathErrors: [], badImages: [], images: 0, rawTex: [],
-                  tracebacks: 0};
+                  tracebacks: 0, tablesAsFigures: []};
   const sphinxMath = Array.from(document.querySelectorAll('div.math, span.math'));
   report.mathElements = sphinxMath.length;
   const mathjaxScript = Array.from(document.scripts).some(s => /mathjax/i.test(s.src || ''));
@@ -115,6 +115,10 @@ async (mathjaxTimeoutMs) => {
     const text = n.textContent;
     if (patterns.some(p => p.test(text))) report.rawTex.push(text.trim().slice(0, 80));
   }
+  // A table captioned as a figure ("Fig. N"): tables are numbered as tables.
+  report.tablesAsFigures = Array.from(document.querySelectorAll('figure'))
+      .filter(f => f.querySelector('table') && /^Fig/.test((f.querySelector('.caption-number') || {}).textContent || ''))
+      .map(f => (f.querySelector('.caption-number').textContent || '').trim());
   report.tracebacks = document.querySelectorAll(
       '.output.traceback, .cell_output .traceback, pre.traceback').length;
   return report;
@@ -224,6 +228,8 @@ def check_page(context, base: str, rel: str, timeout_ms: int, shots: Path | None
             problems.append(f"image not decoded: {src}")
         for text in report["rawTex"]:
             problems.append(f"raw TeX in visible text: {text!r}")
+        for caption in report["tablesAsFigures"]:
+            problems.append(f"a table captioned as a figure: {caption!r}")
         if report["tracebacks"]:
             problems.append(f"{report['tracebacks']} traceback output(s) on the page")
         if shots is not None:
