@@ -24,9 +24,9 @@ the codecs' fingerprint (``tests/test_results.py`` checks it against the codecs 
 With ``--model gemma3-270m`` the same protocol runs on a second model, Gemma 3 270M (``kvlab.load_model("gemma3-270m")``:
 Q4_K_M GGUF weights dequantized to fp32), every window starting with its BOS token (``kvlab.perplexity(...,
 bos=...)``: Gemma always sees it first), for the formats of the summary's decision table that it can take
-(``GEMMA_FORMATS``): the centred key codec with a constant mean and the transform codec with keys after RoPE
+(``kvlab.study.formats``): the centred key codec with a constant mean and the transform codec with keys after RoPE
 (Gemma's layers turn keys by two RoPE bases), both calibrated, as on SmolLM2, on the last 4096 tokens of the
-pydoc topics (``TRANSFORM_BITS``: the transform codec at 3.5 and 2.5 bits per element, sink 1, residual 16).
+pydoc topics (the transform codec at 3.5 and 2.5 bits per element, sink 1, residual 16).
 
     nice -n 10 python scripts/measure_formats.py                       # -> results/formats_perplexity.json
     nice -n 10 python scripts/measure_formats.py --model gemma3-270m   # -> results/formats_perplexity_gemma3_270m.json
@@ -65,18 +65,6 @@ FORMATS = {
     "MSE k3v3 Hadamard": KVFormat("mse", 3, 3, rotation="hadamard"),
     "MSE k2v2 Hadamard": KVFormat("mse", 2, 2, rotation="hadamard"),
 }
-# the decision table's formats on Gemma 3 270M: name -> (format, KVCache options)
-GEMMA_FORMATS = {
-    "fp16": (KVFormat("fp16"), {}),
-    "KIVI k4v4": (KVFormat("affine", 4, 4, key_axis="channel"), {}),
-    "KIVI k2v2": (KVFormat("affine", 2, 2, key_axis="channel"), {}),
-    "affine k4v4": (KVFormat("affine", 4, 4), {}),
-    "MSE k4v4 Hadamard": (KVFormat("mse", 4, 4, rotation="hadamard"), {}),
-    "MSE k3v3 Hadamard": (KVFormat("mse", 3, 3, rotation="hadamard"), {}),
-    "centred k4v4": (KVFormat("centered", 4, 4), {"sink": 1}),
-    "centred k3v3": (KVFormat("centered", 3, 3), {"sink": 1}),
-}
-TRANSFORM_BITS = {"transform 3.5": 3.5, "transform 2.5": 2.5}  # Gemma: calibrate(..., keys="post_rope")
 CALIBRATION_TOKENS = 4096  # the last tokens of the pydoc topics, as notebooks/09_keys_at_three_bits.ipynb calibrates
 COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
 
@@ -157,21 +145,15 @@ def main() -> int:
     extra = {}
     if gemma:
         from kvlab.calibration import calibrate_keys
+        from kvlab.study import formats as second
         from kvlab.study.fingerprint import transform_fingerprint
-        from kvlab.transform.calibration import calibrate
 
         pydoc = tokenizer(kvlab.corpus(), return_tensors="pt", add_special_tokens=False).input_ids[0]
         calib = pydoc[-CALIBRATION_TOKENS:].clone()
         calib[0] = tokenizer.bos_token_id
         stats = calibrate_keys(model, calib, window=1024, mean="constant")
-        formats = GEMMA_FORMATS
-        factories = {name: (lambda f=f, o=o: KVCache(f, config=cfg, key_stats=stats, **o)) for name, (f, o) in formats.items()}
-        described = {name: repr(f) + "".join(f", {k}={v}" for k, v in o.items()) for name, (f, o) in formats.items()}
-        for name, bits in TRANSFORM_BITS.items():
-            kv = calibrate(model, calib, bits=bits, keys="post_rope")
-            factories[name] = lambda kv=kv: KVCache(KVFormat("transform"), config=cfg, transform=kv, sink=1, residual=16)
-            described[name] = (f"KVFormat('transform'), transform=calibrate(model, ids, bits={bits}, keys='post_rope'), "
-                               "sink=1, residual=16")
+        factories = second.caches(model, calib, stats)
+        described = {name: second.describe(name) for name in factories}
         extra = {"bos": tokenizer.bos_token_id, "calibration": f"the last {CALIBRATION_TOKENS} tokens of the pydoc topics, "
                  "BOS first; kvlab.calibration.calibrate_keys(model, ids, window=1024, mean='constant'); "
                  "kvlab.transform.calibration.calibrate(model, ids, bits=b, keys='post_rope')",

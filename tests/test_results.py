@@ -39,3 +39,22 @@ def test_second_model_results_match_the_transform_codec():
     assert data["transform_fingerprint"] == transform_fingerprint(), (
         "results/formats_perplexity_gemma3_270m.json was measured with another transform codec: measure it again "
         "(its 'command' field says how)")
+
+
+def test_second_model_results_measured_the_formats_as_defined():
+    """results/formats_perplexity_gemma3_270m.json measured the formats of kvlab.study.formats, each built as it is now
+    (page 16 checks its live run against it)."""
+    from kvlab.study import formats
+
+    data = json.loads((RESULTS / "formats_perplexity_gemma3_270m.json").read_text())
+    defined = {name: formats.describe(name) for name in [*formats.SECOND_MODEL_FORMATS, *formats.TRANSFORM_BITS]}
+    assert data["formats"] == defined, (
+        "results/formats_perplexity_gemma3_270m.json measured other formats than kvlab.study.formats defines: measure "
+        "it again (its 'command' field says how)")
+
+
+def test_second_model_caches_refuse_unknown_formats():
+    from kvlab.study import formats
+
+    with pytest.raises(ValueError, match=r"names must be among \['fp16', .*got \['MSE k5v5'\]"):
+        formats.caches(None, None, None, ["fp16", "MSE k5v5"])

@@ -1,0 +1,62 @@
+"""The formats measured on the second model, Gemma 3 270M (page 16 and ``scripts/measure_formats.py --model
+gemma3-270m``): one definition for the committed run and the page's live check.
+
+``SECOND_MODEL_FORMATS``: name -> (``KVFormat``, ``KVCache`` options) of the decision table's formats that need no
+model-specific work; the centred ones take the model's key statistics (a constant mean: Gemma's layers turn keys
+by two RoPE bases). ``TRANSFORM_BITS``: the transform codec, calibrated on the model with keys after RoPE, at 3.5
+and 2.5 bits per element, kept with ``TRANSFORM_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..hf.cache import KVCache
+from ..hf.formats import KVFormat
+
+__all__ = ["SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "describe"]
+
+SECOND_MODEL_FORMATS = {
+    "fp16": (KVFormat("fp16"), {}),
+    "KIVI k4v4": (KVFormat("affine", 4, 4, key_axis="channel"), {}),
+    "KIVI k2v2": (KVFormat("affine", 2, 2, key_axis="channel"), {}),
+    "affine k4v4": (KVFormat("affine", 4, 4), {}),
+    "MSE k4v4 Hadamard": (KVFormat("mse", 4, 4, rotation="hadamard"), {}),
+    "MSE k3v3 Hadamard": (KVFormat("mse", 3, 3, rotation="hadamard"), {}),
+    "centred k4v4": (KVFormat("centered", 4, 4), {"sink": 1}),
+    "centred k3v3": (KVFormat("centered", 3, 3), {"sink": 1}),
+}
+TRANSFORM_BITS = {"transform 3.5": 3.5, "transform 2.5": 2.5}
+TRANSFORM_OPTIONS = {"sink": 1, "residual": 16}
+
+
+def caches(model, calibration_ids, key_stats, names=None, backend: str = "auto") -> dict[str, Callable[[], KVCache]]:
+    """name -> a factory of a fresh ``KVCache`` for ``model``, for ``names`` (default: every format, fixed ones
+    first, then the transform codec's); transform formats are calibrated here on ``calibration_ids``
+    (``kvlab.transform.calibration.calibrate(..., keys="post_rope")``), centred ones take ``key_stats``
+    (``kvlab.calibration.calibrate_keys(..., mean="constant")``)."""
+    from ..transform.calibration import calibrate
+
+    names = list(SECOND_MODEL_FORMATS) + list(TRANSFORM_BITS) if names is None else list(names)
+    unknown = [n for n in names if n not in SECOND_MODEL_FORMATS and n not in TRANSFORM_BITS]
+    if unknown:
+        raise ValueError(f"names must be among {list(SECOND_MODEL_FORMATS) + list(TRANSFORM_BITS)}, got {unknown}")
+    cfg, out = model.config, {}
+    for name in names:
+        if name in SECOND_MODEL_FORMATS:
+            fmt, options = SECOND_MODEL_FORMATS[name]
+            out[name] = lambda f=fmt, o=options: KVCache(f, config=cfg, key_stats=key_stats, backend=backend, **o)
+        else:
+            kv = calibrate(model, calibration_ids, bits=TRANSFORM_BITS[name], keys="post_rope")
+            out[name] = lambda kv=kv: KVCache(KVFormat("transform"), config=cfg, transform=kv, backend=backend,
+                                              **TRANSFORM_OPTIONS)
+    return out
+
+
+def describe(name: str) -> str:
+    """How the cache of format ``name`` is built, as the committed results record it."""
+    if name in SECOND_MODEL_FORMATS:
+        fmt, options = SECOND_MODEL_FORMATS[name]
+        return repr(fmt) + "".join(f", {k}={v}" for k, v in options.items())
+    options = "".join(f", {k}={v}" for k, v in TRANSFORM_OPTIONS.items())
+    return f"KVFormat('transform'), transform=calibrate(model, ids, bits={TRANSFORM_BITS[name]}, keys='post_rope'){options}"
