@@ -9,6 +9,8 @@ kvlab's host code takes its GPU paths (``kvlab._kernels.tables.compiled`` answer
 compiled. Outputs are never written, so the tests' value checks fail; what this run finds is the rest: a kernel
 that does not compile, a launch whose arguments do not bind, host code of a GPU path that raises.
 
+``KVLAB_COMPILE_ARCH=80`` takes an A100's paths and compiles for ``sm_80`` instead.
+
 At the end the plugin prints each kernel that failed to compile or bind (once per kernel and error), and writes
 every compiled launch and every failure to ``$KVLAB_COMPILE_LOG`` (JSON) when that is set.
 """
@@ -32,7 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
+TARGET = GPUTarget("cuda", int(os.environ.get("KVLAB_COMPILE_ARCH", "90")), 32)  # 90: H100/H200; 80: A100
 SM_COUNT = 132
 compiled_launches: list[dict] = []
 failures: list[dict] = []
