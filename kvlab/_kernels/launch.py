@@ -10,15 +10,11 @@ through the JIT again. Under Triton's interpreter every call goes through the JI
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from triton import knobs
 from triton.runtime import driver
 
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from . import tables as T
 
 
 def _spec(x):
@@ -57,6 +53,6 @@ class Launch:
                        knobs.runtime.launch_exit_hook, *values)
             return
         compiled = self.fn[self.grid](**{**self.args, **changed}, **self.options)
-        if (kernel is None and self.device.type == "cuda" and not _interpreted() and hasattr(compiled, "run")
+        if (kernel is None and T.compiled(self.device) and hasattr(compiled, "run")
                 and all(_spec(v) == self.variable[n][1] for n, v in changed.items())):
             self.kernel = compiled
