@@ -47,7 +47,7 @@ def test_second_model_results_measured_the_formats_as_defined():
     from kvlab.study import formats
 
     data = json.loads((RESULTS / "formats_perplexity_gemma3_270m.json").read_text())
-    defined = {name: formats.describe(name) for name in [*formats.SECOND_MODEL_FORMATS, *formats.TRANSFORM_BITS]}
+    defined = {name: formats.describe(name) for name in formats.NAMES}
     assert data["formats"] == defined, (
         "results/formats_perplexity_gemma3_270m.json measured other formats than kvlab.study.formats defines: measure "
         "it again (its 'command' field says how)")

@@ -14,7 +14,7 @@ from typing import Callable
 from ..hf.cache import KVCache
 from ..hf.formats import KVFormat
 
-__all__ = ["SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "describe"]
+__all__ = ["NAMES", "SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "describe"]
 
 SECOND_MODEL_FORMATS = {
     "fp16": (KVFormat("fp16"), {}),
@@ -28,19 +28,19 @@ SECOND_MODEL_FORMATS = {
 }
 TRANSFORM_BITS = {"transform 3.5": 3.5, "transform 2.5": 2.5}
 TRANSFORM_OPTIONS = {"sink": 1, "residual": 16}
+NAMES = (*SECOND_MODEL_FORMATS, *TRANSFORM_BITS)  # every format, in the committed run's order
 
 
 def caches(model, calibration_ids, key_stats, names=None, backend: str = "auto") -> dict[str, Callable[[], KVCache]]:
-    """name -> a factory of a fresh ``KVCache`` for ``model``, for ``names`` (default: every format, fixed ones
-    first, then the transform codec's); transform formats are calibrated here on ``calibration_ids``
-    (``kvlab.transform.calibration.calibrate(..., keys="post_rope")``), centred ones take ``key_stats``
-    (``kvlab.calibration.calibrate_keys(..., mean="constant")``)."""
+    """name -> a factory of a fresh ``KVCache`` for ``model``, for ``names`` (default: ``NAMES``); transform formats
+    are calibrated here on ``calibration_ids`` (``kvlab.transform.calibration.calibrate(..., keys="post_rope")``),
+    centred ones take ``key_stats`` (``kvlab.calibration.calibrate_keys(..., mean="constant")``)."""
     from ..transform.calibration import calibrate
 
-    names = list(SECOND_MODEL_FORMATS) + list(TRANSFORM_BITS) if names is None else list(names)
-    unknown = [n for n in names if n not in SECOND_MODEL_FORMATS and n not in TRANSFORM_BITS]
+    names = list(NAMES if names is None else names)
+    unknown = [n for n in names if n not in NAMES]
     if unknown:
-        raise ValueError(f"names must be among {list(SECOND_MODEL_FORMATS) + list(TRANSFORM_BITS)}, got {unknown}")
+        raise ValueError(f"names must be among {list(NAMES)}, got {unknown}")
     cfg, out = model.config, {}
     for name in names:
         if name in SECOND_MODEL_FORMATS:
