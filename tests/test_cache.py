@@ -274,3 +274,14 @@ BAD = [
 def test_bad_input(name, call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_an_older_transformers_is_refused_by_name():
+    """With a transformers whose models take the cache as ``past_key_values=``, every forward would run without
+    kvlab's cache: the integration refuses to load, naming the version it needs."""
+    import subprocess, sys
+    code = ("import transformers; transformers.__version__ = '5.17.0'\n"
+            "import kvlab\n"
+            "try:\n    kvlab.KVCache\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "needs transformers >= 5.24" in out and "found 5.17.0" in out
