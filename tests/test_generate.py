@@ -202,6 +202,10 @@ def test_bad_arguments():
         generate(model, ids, KVFormat("mse", 4), 4, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="cuda_graph"):
         generate(model, ids, KVFormat("mse", 4), 4, cuda_graph=True)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        generate(model, ids, KVFormat("mse", 4), 4, do_sample=True, generator=0)
+    with pytest.raises(ValueError, match="generator is on cpu, input_ids on meta"):
+        generate(model, ids.to("meta"), KVFormat("mse", 4), 4, do_sample=True, generator=torch.Generator())
     with pytest.raises(TypeError, match="compile"):
         generate(model, ids, KVFormat("mse", 4), 4, compile="yes")
     with pytest.raises(ValueError, match="compile=True needs cuda_graph"):
@@ -279,15 +283,16 @@ def test_decode_step_equals_the_functions(fmt):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("bad", ["huge", "nan", "tiny", "norm"])
-def test_a_prompt_that_cannot_be_stored_leaves_the_cache_as_it_was(backend, bad):
+def test_a_prompt_that_cannot_be_stored_leaves_the_cache_as_it_was(backend, bad, device):
     """Prompts and continuations are checked before they are stored (decode steps are not: no host sync); a
     failing forward pass leaves every layer's lengths as they were, and the cache keeps working."""
-    model = tiny_model(4, 2, 64)
+    model = tiny_model(4, 2, 64).to(device)
     model.set_attn_implementation("kvlab")
-    cache = PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=40, backend=backend)
-    model(torch.randint(3, VOCAB, (1, 9)), cache=cache)
+    cache = PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=40, device=device,
+                         backend=backend)
+    model(torch.randint(3, VOCAB, (1, 9), device=device), cache=cache)
     before = [(layer.seq_lens.clone(), layer.length) for layer in cache.layers]
-    k = torch.randn(1, 2, 5, 64)
+    k = torch.randn(1, 2, 5, 64, device=device)
     if bad == "huge":
         k[0, 1, 3, 7] = 1e5
     elif bad == "nan":
@@ -297,12 +302,13 @@ def test_a_prompt_that_cannot_be_stored_leaves_the_cache_as_it_was(backend, bad)
     else:
         k[0, 0, 4] = 9e3  # every value within fp16, the norm 102000 is not
     layer = cache.layers[1]
-    cache.layers[0].store(torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64), None)  # the pass got this far
+    rand = lambda: torch.randn(1, 2, 5, 64, device=device)
+    cache.layers[0].store(rand(), rand(), None)  # the pass got this far
     with pytest.raises(ValueError, match="key_states"):
-        layer.store(k, torch.randn(1, 2, 5, 64), None)
+        layer.store(k, rand(), None)
     for layer, (s, n) in zip(cache.layers, before):
         assert torch.equal(layer.seq_lens, s) and layer.length == n
-    out = model(torch.randint(3, VOCAB, (1, 4)), cache=cache)
+    out = model(torch.randint(3, VOCAB, (1, 4), device=device), cache=cache)
     assert torch.isfinite(out.logits).all() and cache.get_seq_length() == 13
 
 
@@ -351,15 +357,16 @@ def poison_third_step(model, layer: int):
 
 @pytest.mark.parametrize("fmt,do_sample", [(KVFormat("mse", 4), False), (KVFormat("affine", 4, 4), True)],
                          ids=["mse-greedy", "affine-sampled"])
-def test_a_nonfinite_decode_step_is_an_error(fmt, do_sample):
-    """Decode steps are stored without a host sync; a NaN key in step 3 is flagged on the device and raised at the end."""
-    model = tiny_model(4, 2, 64, layers=2)
-    ids = torch.randint(3, VOCAB, (2, 9))
+def test_a_nonfinite_decode_step_is_an_error(fmt, do_sample, device):
+    """Decode steps are stored without a host sync; a NaN key in step 3 is flagged on the device and raised at the end
+    (steps called from Python, so that the hook poisons the third one on a GPU too)."""
+    model = tiny_model(4, 2, 64, layers=2).to(device)
+    ids = torch.randint(3, VOCAB, (2, 9), device=device)
     hook, calls = poison_third_step(model, 0)
     try:
         with pytest.raises(ValueError, match=r"NaN or Inf logits for sequence\(s\) \[1\]"):
-            generate(model, ids, fmt, 8, backend="triton", do_sample=do_sample,
-                     generator=torch.Generator().manual_seed(0))
+            generate(model, ids, fmt, 8, backend="triton", do_sample=do_sample, cuda_graph=False,
+                     generator=torch.Generator(device).manual_seed(0))
     finally:
         hook.remove()
     assert calls[0] == 9 and calls[3] == 1
@@ -389,13 +396,13 @@ def test_compiled_layers_generate_the_same_tokens():
 
 
 @pytest.mark.parametrize("fmt", [KVFormat("mse", 4), KVFormat("affine", 4, 4)], ids=lambda f: f.label)
-def test_model_generate_stops_at_a_nonfinite_step(fmt):
+def test_model_generate_stops_at_a_nonfinite_step(fmt, device):
     """transformers' generate over a PagedKVCache (decode steps checked by default): a NaN key in the third step
     is a ValueError naming key_states, and the cache holds what it held before that step, in every layer."""
-    model = tiny_model(4, 2, 64, layers=2)
-    ids = torch.randint(3, VOCAB, (2, 9))
+    model = tiny_model(4, 2, 64, layers=2).to(device)
+    ids = torch.randint(3, VOCAB, (2, 9), device=device)
     model.set_attn_implementation("kvlab")
-    cache = PagedKVCache(fmt, config=model.config, batch_size=2, max_length=32, backend="triton")
+    cache = PagedKVCache(fmt, config=model.config, batch_size=2, max_length=32, device=device, backend="triton")
     hook, _ = poison_third_step(model, 1)
     try:
         with pytest.raises(ValueError, match="key_states"):

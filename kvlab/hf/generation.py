@@ -78,6 +78,12 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     batch, prompt = input_ids.shape
     device = input_ids.device
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != device.type:
+            raise ValueError(f"generator is on {generator.device.type}, input_ids on {device.type}: sampling draws "
+                             f"on input_ids' device, so pass torch.Generator({device.type!r})")
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}")
