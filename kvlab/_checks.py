@@ -5,10 +5,11 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument and what 
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
+
+from ._kernels.tables import interpreted
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP16_MAX = 65504.0
@@ -67,7 +68,7 @@ def check_same_device(**tensors) -> None:
 
 def check_kernel_device(name: str, x: torch.Tensor) -> None:
     """A Triton launch needs ``x`` on a CUDA device, or any device under ``TRITON_INTERPRET=1``."""
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if x.device.type != "cuda" and not interpreted():
         raise ValueError(
             f"{name} is on {x.device}, but kvlab's Triton kernels run on CUDA devices; move the tensors to "
             "CUDA, or set TRITON_INTERPRET=1 before triton is imported to run them on the CPU "
