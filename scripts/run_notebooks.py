@@ -22,8 +22,11 @@ After all notebooks pass, runs `jupyter-book build --all -W --keep-going .` (ski
 --no-build).
 
 `--record FILE` writes what each notebook did (status, seconds, the failing cell) with the device, the
-versions, the date and the command, as JSON, after every notebook (so a run cut short keeps what it
-finished); with it, a failure does not stop the other notebooks (the exit code still says it).
+versions, the date, the command and a fingerprint of the code it ran (the page's cells and the kvlab
+package), as JSON, after every notebook (so a run cut short keeps what it finished); with it, a failure
+does not stop the other notebooks (the exit code still says it). `--update` merges the run into FILE's
+existing record (same device and parameters, else an error that leaves FILE as it was), replacing the
+entries of the pages run again: `results/book_full_h200.json` holds the last full-size run of each page.
 `--page-timeout S` stops a notebook that runs longer than S seconds (a failure: "timeout").
 `--save-results DIR` passes `-p save_results DIR/<name>.json` to each notebook whose parameters cell defines
 `save_results` (the pages that write the results of a full-size run, e.g. `results/perplexity_h200.json`).
@@ -56,40 +59,75 @@ class NotebookError(Exception):
     pass
 
 
+def machine_facts(env: dict[str, str]) -> dict[str, str]:
+    """The device and the versions of python, torch, triton and transformers that the kernels run with."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import json, platform, torch, triton, transformers; print(json.dumps({"
+         "'device': torch.cuda.get_device_name() if torch.cuda.is_available() else "
+         "f'{platform.processor() or platform.machine()}, {__import__(\"os\").cpu_count()} CPUs, no GPU', "
+         "'python': platform.python_version(), 'torch': torch.__version__, 'triton': triton.__version__, "
+         "'transformers': transformers.__version__}))"],
+        capture_output=True, text=True, env=env)
+    return json.loads(probe.stdout) if probe.returncode == 0 else {"device": "unknown"}
+
+
 class Record:
-    """The JSON record of a run (``--record``): one entry per notebook, rewritten after each."""
+    """The JSON record of a run (``--record``): one entry per notebook, rewritten after each.
 
-    def __init__(self, path: Path, env: dict[str, str], params: list[str]):
-        import datetime
+    Each entry holds the page's status and seconds, the date, the command, the versions and the code it ran
+    (``kvlab.study.fingerprint.source_fingerprint``: the page's cells and the kvlab package). With ``update``
+    the entries join the record already in ``path``, which must be of the same device and parameters, and
+    replace the entries of the pages run again, so the file holds the last run of each page."""
+
+    def __init__(self, path: Path, env: dict[str, str], params: list[str], update: bool = False):
         import platform
-
-        probe = subprocess.run(
-            [sys.executable, "-c", "import json, platform, torch, triton, transformers; print(json.dumps({"
-             "'device': torch.cuda.get_device_name() if torch.cuda.is_available() else "
-             "f'{platform.processor() or platform.machine()}, {__import__(\"os\").cpu_count()} CPUs, no GPU', "
-             "'python': platform.python_version(), 'torch': torch.__version__, 'triton': triton.__version__, "
-             "'transformers': transformers.__version__}))"],
-            capture_output=True, text=True, env=env)
-        facts = json.loads(probe.stdout) if probe.returncode == 0 else {"device": "unknown"}
         import threading
 
+        facts = machine_facts(env)
+        device, parameters = facts.pop("device"), " ".join(params) or "(notebook defaults)"
         self.lock = threading.Lock()
         self.path = path
-        self.data = {
-            "what": "one execution of the book's notebooks: each page's status and seconds",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": facts.pop("device"),
-            "versions": facts,
-            "machine": f"{platform.platform()}, {os.cpu_count()} CPUs",
-            "command": "python scripts/run_notebooks.py " + " ".join(sys.argv[1:]),
-            "parameters": " ".join(params) or "(notebook defaults)",
-            "pages": [],
-        }
-        self.write()
+        self.command = "python scripts/run_notebooks.py " + " ".join(sys.argv[1:])
+        self.versions = facts
+        self.sources: dict[str, dict[str, str]] = {}
+        self.order = {name: i for i, name in enumerate(executed_names())}
+        head = {"date": self.now(), "device": device, "versions": facts,
+                "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "parameters": parameters}
+        if update and path.is_file():
+            self.data = json.loads(path.read_text())
+            for key in ("device", "parameters"):
+                if self.data.get(key) != head[key]:
+                    raise NotebookError(
+                        f"--update: {path} records runs with {key} {self.data.get(key)!r}, this run's is {head[key]!r}; "
+                        f"write a new record instead (the file is unchanged)")
+            self.data.update(head)
+        else:
+            self.data = {"what": "the last execution of each page named here: status, seconds and the code it ran",
+                         **head, "pages": []}
+            self.write()
+
+    @staticmethod
+    def now() -> str:
+        import datetime
+
+        return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    def begin(self, name: str, src: Path) -> None:
+        """Fingerprint the code a page is about to run (before it runs: a run takes minutes)."""
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        try:
+            from kvlab.study.fingerprint import source_fingerprint
+        except Exception as exc:  # a package that does not import: say so instead of a traceback
+            raise NotebookError(f"{name}: cannot fingerprint the code it runs, kvlab does not import: {exc!r}") from exc
+        self.sources[name] = source_fingerprint(src)
 
     def add(self, name: str, status: str, seconds: float, error: str = "") -> None:
+        entry = {"page": name, "status": status, "seconds": round(seconds, 1), "error": error, "date": self.now(),
+                 "command": self.command, "versions": self.versions, "source": self.sources.get(name)}
         with self.lock:  # notebooks finish in threads (--jobs)
-            self.data["pages"].append({"page": name, "status": status, "seconds": round(seconds, 1), "error": error})
+            pages = [e for e in self.data["pages"] if e["page"] != name] + [entry]
+            self.data["pages"] = sorted(pages, key=lambda e: self.order.get(e["page"], len(self.order)))
             self.write()
 
     def write(self) -> None:
@@ -239,6 +277,8 @@ def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
     if not src.is_file():
         raise NotebookError(f"{name}: _toc.yml lists book/executed/{name} but {src.relative_to(ROOT)} does not exist")
     parameters = parameters_source(name, src)  # checks that the notebook has its parameters cell
+    if RECORD is not None:
+        RECORD.begin(name, src)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.unlink(missing_ok=True)
     if SAVE_DIR is not None and re.search(r"^\s*save_results\s*=", parameters, re.M):
@@ -299,6 +339,8 @@ def main() -> int:
     ap.add_argument("--no-build", action="store_true", help="execute the notebooks only")
     ap.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="notebooks executed at once (default 1)")
     ap.add_argument("--record", type=Path, metavar="FILE", help="write each notebook's status and seconds as JSON")
+    ap.add_argument("--update", action="store_true",
+                    help="with --record: replace these pages' entries in FILE's record, keeping the other pages'")
     ap.add_argument("--page-timeout", type=float, metavar="S", help="stop a notebook after S seconds")
     ap.add_argument("--save-results", type=Path, metavar="DIR", help="where pages with a save_results parameter write")
     args = ap.parse_args()
@@ -309,6 +351,8 @@ def main() -> int:
     if args.page_timeout is not None and not args.page_timeout > 0:
         ap.error(f"--page-timeout must be a positive number of seconds, got {args.page_timeout}")
     PAGE_TIMEOUT = args.page_timeout
+    if args.update and args.record is None:
+        ap.error("--update needs --record FILE")
 
     try:
         names = executed_names()
@@ -322,7 +366,7 @@ def main() -> int:
             params += ["-p", key, value]
         env = kernel_env()
         if args.record is not None:
-            RECORD = Record(args.record.resolve(), env, params)
+            RECORD = Record(args.record.resolve(), env, params, update=args.update)
         log(f"{len(names)} notebook(s), {max(1, args.jobs)} at once; TRITON_INTERPRET={env.get('TRITON_INTERPRET', '(unset)')}; "
             f"parameters: {' '.join(params) or '(notebook defaults)'}")
         start = time.monotonic()

@@ -5,11 +5,17 @@ Hadamard rotations at 2, 3 and 4 bits, the centred MSE key codec with and withou
 4 and 8 bits on the token and channel axes) and hashes the codes. A committed result that was measured
 with the codecs records the fingerprint it was measured under; ``tests/test_results.py`` fails when the
 codecs' bytes change and such a result was not measured again.
+
+``source_fingerprint(notebook)`` hashes the code a run of a page executed: the page's cells (not its outputs)
+and every Python file of the ``kvlab`` package. ``scripts/run_notebooks.py --record`` stores it with each
+page's run, so the book can tell a run of the current code from a run of an earlier one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -18,7 +24,9 @@ from ..centered.reference import CenteredMSECodec
 from ..affine.reference import AffineCodec
 from ..mse.reference import MSECodec
 
-__all__ = ["codec_fingerprint", "transform_fingerprint"]
+__all__ = ["codec_fingerprint", "source_fingerprint", "transform_fingerprint"]
+
+PACKAGE = Path(__file__).resolve().parent.parent
 
 
 def _vectors(tokens: int = 64, heads: int = 3, dim: int = 64) -> torch.Tensor:
@@ -72,3 +80,29 @@ def transform_fingerprint() -> str:
             h.update(codec.bits.numpy().tobytes())
             h.update(TR.encode(codec, x.reshape(512, 32)).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def source_fingerprint(notebook: str | Path, package: str | Path = PACKAGE) -> dict[str, str]:
+    """SHA-256 (hex, 16 characters each) of a notebook's cells and of a package's Python files.
+
+    ``{"page": ..., "kvlab": ...}``. The page's hash covers each cell's type and source, in order, and not its
+    outputs, execution counts or metadata, and skips the cell papermill injects with a run's parameters (so a
+    source notebook and its executed copy hash alike); the
+    package's covers every ``*.py`` file under ``package`` with its relative path."""
+    notebook, package = Path(notebook), Path(package)
+    if not notebook.is_file():
+        raise ValueError(f"notebook: no such file {notebook}")
+    if not package.is_dir():
+        raise ValueError(f"package: no such folder {package}")
+    cells = json.loads(notebook.read_text())["cells"]
+    page = hashlib.sha256()
+    for cell in cells:
+        if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+            continue
+        source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        page.update(json.dumps([cell["cell_type"], source]).encode())
+    code = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        code.update(str(path.relative_to(package).as_posix()).encode() + b"\0")
+        code.update(path.read_bytes() + b"\0")
+    return {"page": page.hexdigest()[:16], "kvlab": code.hexdigest()[:16]}
