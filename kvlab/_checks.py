@@ -76,6 +76,16 @@ def check_kernel_device(name: str, x: torch.Tensor) -> None:
         )
 
 
+def check_backend_device(backend: str, device: torch.device) -> None:
+    """``backend="triton"`` needs a CUDA device, or Triton's interpreter (``TRITON_INTERPRET=1``) elsewhere."""
+    if backend == "triton" and device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"backend='triton' runs kvlab's Triton kernels, which need a CUDA device (this cache is on {device}), or "
+            "TRITON_INTERPRET=1 set before triton is imported (Triton's interpreter, for tests); backend='auto' "
+            "stores with the pure-torch codecs here, the same bytes"
+        )
+
+
 def check_slot_mapping(slot_mapping, num_tokens: int, num_slots: int, device, values: bool = True) -> None:
     """dtype, shape and device of ``slot_mapping``; with ``values`` also its range (one host sync)."""
     check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))

@@ -24,6 +24,8 @@ KINDS = ("haar", "hadamard")
 def _generator(seed: int) -> torch.Generator:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64) (a torch.Generator seed), got {seed}")
     return torch.Generator(device="cpu").manual_seed(seed)
 
 

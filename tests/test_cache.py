@@ -285,3 +285,47 @@ def test_an_older_transformers_is_refused_by_name():
             "try:\n    kvlab.KVCache\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "needs transformers >= 5.24" in out and "found 5.17.0" in out
+
+
+def _pass(cache, n, seed, bad_layer=None):
+    """One forward pass: every layer updated in turn with ``n`` tokens (layer ``bad_layer`` given a NaN key)."""
+    outs = []
+    for layer in range(len(cache.layers)):
+        k, v = _kv(n, seed + layer)
+        if layer == bad_layer:
+            k[0, 1, n - 1, 3] = float("nan")
+        outs.append(cache.update(k, v, layer))
+    return outs
+
+
+@pytest.mark.parametrize("decode_view", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_a_pass_that_fails_in_a_later_layer_leaves_every_layer_as_it_was(fmt, decode_view):
+    kwargs = dict(residual=3, sink=1) if fmt.codec != "fp16" else {}
+    failed, clean = (_cache(fmt, layers=3, **kwargs) for _ in range(2))
+    for cache in (failed, clean):
+        cache.decode_view = decode_view
+        _pass(cache, 7, seed=0)
+    with pytest.raises(ValueError, match="key_states"):
+        _pass(failed, 5, seed=10, bad_layer=2)
+    assert [layer.length for layer in failed.layers] == [7, 7, 7]
+    assert failed.nbytes() == clean.nbytes()
+    for a, b in zip(_pass(failed, 5, seed=20), _pass(clean, 5, seed=20)):  # the next pass reads the same cache
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_layer_index_the_cache_does_not_have_is_named():
+    cache = _cache(KVFormat("mse", 4), layers=2)
+    _pass(cache, 7, seed=0)
+    with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 2\) .* got 2: build the cache from the config"):
+        cache.update(*_kv(1, 5), 2)  # a model with more layers than the cache
+    assert [layer.length for layer in cache.layers] == [7, 7]
+
+
+def test_config_must_be_a_config():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=1, num_key_value_heads=1, head_dim=64))
+    with pytest.raises(TypeError, match=r"config must be a transformers model config \(model.config\), got LlamaForCausalLM"):
+        KVCache(KVFormat("mse", 4), config=model)

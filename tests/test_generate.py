@@ -414,3 +414,117 @@ def test_model_generate_stops_at_a_nonfinite_step(fmt, device):
     assert all(layer.seq_lens.tolist() == [11, 11] for layer in cache.layers)
     with pytest.raises(TypeError, match="check_steps"):
         PagedKVCache(fmt, config=model.config, batch_size=1, max_length=8, check_steps=1)
+
+
+def test_more_bad_arguments():
+    """Arguments that would fail deep inside torch, or generate silently wrong tokens, are named."""
+    model = tiny_model(4, 2, 64)
+    ids = torch.randint(3, VOCAB, (2, 5))
+    fmt = KVFormat("mse", 4)
+    right = torch.ones_like(ids)
+    right[1, 3:] = 0  # a tokenizer's default: padding after the tokens
+    for kwargs, error, match in [
+        (dict(input_ids=torch.tensor([[1, VOCAB]])), ValueError, r"input_ids must be token ids in \[0, 256\)"),
+        (dict(input_ids=torch.tensor([[1, -1]])), ValueError, "input_ids must be token ids"),
+        (dict(attention_mask=right), ValueError, "left-padded .* sequence 1 has padding after a token"),
+        (dict(attention_mask=2 * torch.ones_like(ids)), ValueError, "only 0 .* and 1"),
+        (dict(attention_mask=torch.ones(2, 5)), TypeError, "attention_mask must hold integers or bools"),
+        (dict(eos_token_id="2"), TypeError, "eos_token_id must be an int"),
+        (dict(eos_token_id=VOCAB), ValueError, r"eos_token_id must be a token id in \[0, 256\)"),
+        (dict(eos_token_id=2, pad_token_id=[0]), TypeError, "pad_token_id must be an int"),
+        (dict(max_length="10"), TypeError, "max_length must be an int"),
+        (dict(do_sample="no"), TypeError, "do_sample must be a bool"),
+        (dict(cuda_graph=1), TypeError, "cuda_graph must be a bool or None"),
+        (dict(model=None), TypeError, "model must be a transformers causal LM"),
+        (dict(fmt=KVFormat("transform")), ValueError, r"kvlab.generate\(\.\.\., transform="),
+        (dict(fmt=KVFormat("centered", 4, 4)), ValueError, r"kvlab.generate\(\.\.\., key_stats="),
+    ]:
+        call = dict(model=model, input_ids=ids, fmt=fmt, max_new_tokens=3) | kwargs
+        with pytest.raises(error, match=match):
+            generate(call.pop("model"), call.pop("input_ids"), call.pop("fmt"), call.pop("max_new_tokens"), **call)
+    for bad, error in [("tpu", ValueError), ("cuda:99", ValueError)]:
+        if bad.startswith("cuda") and torch.cuda.device_count() > 99:
+            continue
+        with pytest.raises(error, match="device must be a torch device this machine has"):
+            PagedKVCache(fmt, config=model.config, batch_size=1, max_length=8, device=bad)
+    with pytest.raises(TypeError, match=r"config must be a transformers model config \(model.config\)"):
+        PagedKVCache(fmt, config=model, batch_size=1, max_length=8)
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64\)"):
+        KVFormat("mse", 4, 4, seed=2**70)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_centred_codec_generates_with_key_stats():
+    from kvlab.calibration import calibrate_keys
+
+    model = tiny_model(4, 2, 64)
+    stats = calibrate_keys(model, torch.randint(3, VOCAB, (64,)), window=32)
+    ids = torch.randint(3, VOCAB, (1, 6))
+    out = generate(model, ids, KVFormat("centered", 4, 4), 5, key_stats=stats)
+    assert out.path == "materialising"
+    cache = KVCache(KVFormat("centered", 4, 4), config=model.config, key_stats=stats)
+    assert torch.equal(out.sequences, model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False))
+
+
+class _Stop(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("step", [False, True], ids=["prompt", "decode step"])
+def test_a_pass_that_fails_in_any_layer_leaves_the_paged_cache_as_it_was(step, device):
+    """A model with one layer more than the cache: the pass stores in layers 0 and 1, then fails at layer 2 (the
+    cache's layer index check); every layer's lengths are as they were, and the right model goes on."""
+    model = tiny_model(4, 2, 64).to(device)
+    bigger = tiny_model(4, 2, 64, layers=3).to(device)
+    for small_layer, big_layer in zip(model.model.layers, bigger.model.layers):
+        big_layer.load_state_dict(small_layer.state_dict())
+    cache = PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=40, device=device)
+    for m in (model, bigger):
+        m.set_attn_implementation("kvlab")
+    if step:
+        model(torch.randint(3, VOCAB, (1, 9), device=device), cache=cache)
+    before = [(layer.seq_lens.clone(), layer.length) for layer in cache.layers]
+    with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\), got 2"):
+        bigger(torch.randint(3, VOCAB, (1, 1 if step else 9), device=device), cache=cache)
+    for layer, (s, n) in zip(cache.layers, before):
+        assert torch.equal(layer.seq_lens, s) and layer.length == n
+    model(torch.randint(3, VOCAB, (1, 1), device=device), cache=cache)
+    assert [layer.length for layer in cache.layers] == [before[0][1] + 1] * 2
+    # a pass that fails between layers outside kvlab: the next pass is an error, not a silent mix of lengths
+    hook = model.model.layers[1].register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(_Stop()))
+    with pytest.raises(_Stop):
+        model(torch.randint(3, VOCAB, (1, 1), device=device), cache=cache)
+    hook.remove()
+    with pytest.raises(ValueError, match="layer 1 holds .* tokens but layer 0 held .* start again with a new cache"):
+        model(torch.randint(3, VOCAB, (1, 1), device=device), cache=cache)
+    model.set_attn_implementation("sdpa")
+
+
+def test_perplexity_refuses_a_cache_that_is_not_fresh():
+    model = tiny_model(4, 2, 64, layers=1)
+    ids = torch.randint(3, VOCAB, (40,))
+    fmt = KVFormat("mse", 4)
+    used = KVCache(fmt, config=model.config)
+    with pytest.raises(ValueError, match="cache must return a fresh \\(empty\\) Cache for each window, got one holding"):
+        kvlab.perplexity(model, ids, window=16, stride=8, cache=lambda: used)  # the second window gets it back
+    shared = KVCache(fmt, config=model.config)
+    with pytest.raises(ValueError, match="two names returned the same Cache object"):
+        kvlab.perplexity(model, ids, window=16, stride=8, cache={"a": lambda: shared, "b": lambda: shared})
+
+
+def test_the_triton_back_end_on_a_cpu_needs_the_interpreter(monkeypatch):
+    import kvlab._checks
+
+    monkeypatch.setattr(kvlab._checks, "interpreted", lambda: False)  # as in a user's process without TRITON_INTERPRET
+    model = tiny_model(4, 2, 64, layers=1)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    match = "backend='triton' runs kvlab's Triton kernels, which need a CUDA device .* backend='auto'"
+    with pytest.raises(ValueError, match=match):
+        PagedKVCache(KVFormat("mse", 4), config=model.config, batch_size=1, max_length=8, backend="triton")
+    with pytest.raises(ValueError, match=match):
+        generate(model, ids, KVFormat("mse", 4), 2, backend="triton")
+    cache = KVCache(KVFormat("affine", 4, 4, key_axis="channel"), config=model.config, backend="triton")
+    with pytest.raises(ValueError, match=match):
+        model(ids, cache=cache)
+    assert cache.get_seq_length() == 0
+    assert model.config._attn_implementation == "sdpa"

@@ -39,12 +39,34 @@ def test_sliding_layers_match_the_models_own_cache(tiny_gemma):
     assert abs(r["kvlab mse"].nll - r["model's cache"].nll) < 0.1
 
 
-def test_generation_paths_refuse_sliding_layers(tiny_gemma):
+def _mistral(sliding_window):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=97, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                            sliding_window=sliding_window, max_position_embeddings=128)).eval()
+
+
+def test_the_fused_decode_refuses_sliding_layers_and_generate_materialises(tiny_gemma):
+    """Sliding-window layers (Gemma 3's layer_types; Mistral's sliding_window, without layer_types): PagedKVCache
+    refuses them; kvlab.generate takes the materialising path, which generates what the model's own cache does."""
     model, ids = tiny_gemma
-    with pytest.raises(ValueError, match="PagedKVCache supports models with full_attention layers only, got layer type 'sliding_attention'"):
-        kvlab.PagedKVCache(KVFormat("mse", 4, 4, rotation="hadamard"), config=model.config, batch_size=1, max_length=64)
-    with pytest.raises(ValueError, match="kvlab.generate supports models with full_attention layers only"):
-        kvlab.generate(model, ids[None, :8], KVFormat("mse", 4, 4, rotation="hadamard"), 2)
+    mistral = _mistral(8)
+    for m in (model, mistral):
+        with pytest.raises(ValueError, match="PagedKVCache supports models with full_attention layers only, got layer "
+                                             "type 'sliding_attention' \\(the config's sliding_window\\)"):
+            kvlab.PagedKVCache(KVFormat("mse", 4, 4, rotation="hadamard"), config=m.config, batch_size=1, max_length=64)
+        prompt = ids[None, :20] if m is model else ids[None, 30:50]  # longer than the window of 8
+        m.generation_config.eos_token_id = None
+        m.generation_config.pad_token_id = 0
+        own = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+        out = kvlab.generate(m, prompt, KVFormat("affine", 8, 8), 10)
+        assert out.path == "materialising" and "sliding-window layers" in out.why
+        fp16 = kvlab.generate(m, prompt, KVFormat("fp16"), 10)
+        assert torch.equal(fp16.sequences, own)
+    # without a window Mistral's layers are all full attention: the fused decode
+    assert kvlab.generate(_mistral(None), ids[None, :8], KVFormat("mse", 4, 4), 2).path == "fused"
 
 
 def test_bos_replaces_every_windows_first_token(tiny_gemma):

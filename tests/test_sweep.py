@@ -149,6 +149,9 @@ def test_bad_parameters_fail_before_running(tmp_path, capsys, options, match):
 def test_bad_notebooks(tmp_path, capsys):
     out = tmp_path / "out"
     assert S.main(sweep_args(tmp_path / "missing.ipynb", out, "-p", "a", "1")) == 2
+    assert "missing.ipynb': no such file" in capsys.readouterr().err
+    (tmp_path / "page.txt").write_text("")
+    assert S.main(sweep_args(tmp_path / "page.txt", out, "-p", "a", "1")) == 2
     assert "is not an .ipynb file" in capsys.readouterr().err
     nb = json.loads(NOTEBOOK.read_text())
     for cell in nb["cells"]:

@@ -105,7 +105,7 @@ from .decode_view import DecodeView, DecodeViewCache, hand_over, quantized_from
 from .formats import MSE_CODECS, KVFormat
 from .stores import AffineStream, MSEStore, TransformStore, cat_parts, centered_codec, mse_codec
 
-__all__ = ["KVCache", "KVCacheLayer", "KVFormat"]
+__all__ = ["KVCache", "KVCacheLayer", "KVFormat", "layer_types", "model_shape"]
 BACKENDS = ("auto", "triton", "reference")
 PREFILL = ("exact", "stored")
 STORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -148,6 +148,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.device, self.batch = key_states.device, batch
         self.dtype = self.store_dtype or key_states.dtype
         want = self.requested_backend
+        C.check_backend_device(want, key_states.device)
         self.backend = ("triton" if key_states.device.type == "cuda" else "reference") if want == "auto" else want
         self.k_tail = key_states.new_zeros(batch, heads, 0, dim, dtype=self.dtype)
         self.v_tail = value_states.new_zeros(batch, heads, 0, dim, dtype=self.dtype)
@@ -239,6 +240,27 @@ class KVCacheLayer(CacheLayerMixin):
             part = getattr(self, name)
             part.__dict__.clear()
             part.__dict__.update(fields)
+
+    def _mark(self):
+        """A snapshot to undo a whole successful update later (``KVCache``'s forward-pass journal). Tensors that
+        updates only extend (the exact copies, the sink, an fp16 layer's tail, codes and pages) are kept as their
+        lengths and cut back on undo, so the journal holds no second copy of the cache."""
+        state, parts = self._snapshot()
+        grow = ("k_exact", "v_exact", "k_sink", "v_sink") + (("k_tail", "v_tail") if self.fmt.codec == "fp16" else ())
+        lengths = {(None, name): (2, state.pop(name).shape[2]) for name in grow if isinstance(state.get(name), torch.Tensor)}
+        for part, fields in parts.items():
+            for name, axis in getattr(state[part], "GROWING", {}).items():
+                if isinstance(fields.get(name), torch.Tensor):
+                    lengths[part, name] = (axis, fields.pop(name).shape[axis])
+        return state, parts, lengths
+
+    def _undo(self, mark) -> None:
+        state, parts, lengths = mark
+        owner = lambda part: self if part is None else self.__dict__[part]
+        grown = {key: owner(key[0]).__dict__[key[1]] for key in lengths}
+        self._restore((state, parts))
+        for (part, name), (axis, n) in lengths.items():
+            owner(part).__dict__[name] = grown[part, name].narrow(axis, 0, n)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.decode_view:
@@ -381,15 +403,29 @@ def model_shape(config, who: str = "KVCache", sliding: bool = False) -> tuple[in
     """``(layers, KV heads, head_dim)`` of a transformers config. Layers of sliding-window attention are
     allowed with ``sliding=True`` (``KVCache``: it keeps all their tokens, the model's masks limit what they
     read); otherwise a ValueError unless every layer is full attention."""
+    if not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
+        raise TypeError(f"config must be a transformers model config (model.config), got {type(config).__name__}")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     num_layers = text.num_hidden_layers
     num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     allowed = ("full_attention", "sliding_attention") if sliding else ("full_attention",)
-    for kind in sorted(set(getattr(text, "layer_types", None) or ["full_attention"])):
+    for kind in sorted(set(layer_types(config))):
         if kind not in allowed:
-            raise ValueError(f"{who} supports models with {' and '.join(allowed)} layers only, got layer type {kind!r}")
+            raise ValueError(f"{who} supports models with {' and '.join(allowed)} layers only, got layer type {kind!r}"
+                             + (" (the config's sliding_window)" if kind == "sliding_attention" else ""))
     return num_layers, num_kv_heads, head_dim
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's attention type: the config's ``layer_types``, or, for configs without them (Mistral, Phi-3), every
+    layer ``"sliding_attention"`` where ``sliding_window`` is set (and ``use_sliding_window`` not False)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = getattr(text, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    sliding = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True) is not False
+    return ["sliding_attention" if sliding else "full_attention"] * text.num_hidden_layers
 
 
 class KVCache(DecodeViewCache):
@@ -483,6 +519,36 @@ class KVCache(DecodeViewCache):
             for i, f in enumerate(formats)
         ]
         super().__init__(layers=layers)
+        self._journal = []  # (layer, mark) of the layers the current forward pass has updated
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store the new tokens of layer ``layer_idx``; return what attention uses (the layer's ``update``).
+
+        A forward pass updates layers ``0, 1, ...`` in turn; an update that raises in any layer undoes the pass's
+        updates of the layers before it, so the cache is as it was before the pass. A layer index the cache does not
+        have changes nothing. (A pass that fails between layers in the model's own code leaves the earlier layers'
+        tokens: start again with a new cache.)"""
+        C.check_int("layer_idx", layer_idx)  # a bad index changes nothing, not even the pass's earlier layers
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}: "
+                             f"build the cache from the config of the model it serves")
+        journal = self._journal if layer_idx != 0 else []
+        try:
+            layer = self.layers[layer_idx]
+            mark = (layer, layer._mark())
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            for done, saved in reversed(journal):
+                done._undo(saved)
+            self._journal = []
+            raise
+        journal.append(mark)
+        self._journal = [] if layer_idx == len(self.layers) - 1 else journal  # the last layer: the pass is complete
+        return out
+
+    def reset(self) -> None:
+        self._journal = []
+        super().reset()
 
     def __repr__(self) -> str:
         labels = sorted({f.label for f in self.formats})

@@ -58,6 +58,8 @@ class KVFormat:
             raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
         C.check_choice("rotation", rotation, ROTATIONS)
         C.check_int("seed", seed)
+        if not -(2**63) <= seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (a torch.Generator seed), got {seed}")
         if codec == "transform":  # the bits are the calibrated codecs' (KVCache(transform=...))
             for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
                 if bits is not None:

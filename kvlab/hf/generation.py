@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import _checks as C
-from .cache import KVCache, KVFormat, model_shape
+from .cache import KVCache, KVFormat, layer_types, model_shape
 from .paged import ATTENTION, PagedKVCache, fused_support
 
 __all__ = ["ATTENTION", "GenerateOutput", "PagedKVCache", "compiled_layers", "fused_support", "generate", "replay_logits"]
@@ -54,7 +54,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
              do_sample: bool = False, temperature: float = 1.0, generator: torch.Generator | None = None,
              eos_token_id: int | None = None, pad_token_id: int | None = None, cuda_graph: bool | None = None,
              backend: str = "auto", block_size: int = 16, max_length: int | None = None,
-             transform=None, compile: bool = False) -> GenerateOutput:
+             transform=None, key_stats=None, compile: bool = False) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per sequence with the KV cache stored as ``fmt``.
 
     ``input_ids`` ``[B, T]`` (left-padded where ``attention_mask`` ``[B, T]`` has zeros). Formats the
@@ -64,7 +64,9 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     one CUDA graph. Greedy by default; ``do_sample`` samples from ``softmax(logits / temperature)``.
     After ``eos_token_id`` a sequence's tokens are ``pad_token_id`` (default: the EOS id).
     ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``); its
-    decode steps replay from a CUDA graph only when ``cuda_graph=True`` is asked for. ``compile=True`` (with the
+    decode steps replay from a CUDA graph only when ``cuda_graph=True`` is asked for. ``KVFormat("centered", ...)``
+    needs ``key_stats`` (``kvlab.calibration.calibrate_keys``). Models with sliding-window layers generate through
+    ``KVCache``. ``compile=True`` (with the
     CUDA graph) runs the decoder layers compiled by ``torch.compile`` around kvlab's attention (``compiled_layers``):
     fewer, fused kernels per step, after a compile of tens of seconds on first use.
     """
@@ -84,16 +86,56 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         if generator.device.type != device.type:
             raise ValueError(f"generator is on {generator.device.type}, input_ids on {device.type}: sampling draws "
                              f"on input_ids' device, so pass torch.Generator({device.type!r})")
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers causal LM (a torch.nn.Module with a config), "
+                        f"got {type(model).__name__}")
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
+        raise TypeError(f"cuda_graph must be a bool or None, got {type(cuda_graph).__name__}")
+    if max_length is not None:
+        C.check_int("max_length", max_length, minimum=1)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if vocab is not None:
+        low, high = (int(t) for t in torch.aminmax(input_ids))  # one sync
+        if low < 0 or high >= vocab:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the model's vocabulary), "
+                             f"got range [{low}, {high}]")
+    for name, token in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if token is not None:
+            C.check_int(name, token, minimum=0)
+            if vocab is not None and token >= vocab:
+                raise ValueError(f"{name} must be a token id in [0, {vocab}) (the model's vocabulary), got {token}")
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}")
-        if bool((attention_mask.sum(1) == 0).any()):
+        if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+            raise TypeError(f"attention_mask must hold integers or bools (1: token, 0: padding), got {attention_mask.dtype}")
+        if attention_mask.device != device:
+            raise ValueError(f"attention_mask must be on input_ids' device ({device}), got {attention_mask.device}")
+        mask = attention_mask.long()
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+        if bool((mask[:, 1:] < mask[:, :-1]).any()):
+            row = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
+            raise ValueError(f"attention_mask must be left-padded (zeros before the tokens): sequence {row} has padding "
+                             f"after a token (a tokenizer pads on the left with tokenizer.padding_side = 'left')")
+        if bool((mask.sum(1) == 0).any()):
             raise ValueError("attention_mask has a sequence with no tokens")
-        if bool(attention_mask.all()):
+        if bool(mask.all()):
             attention_mask = None
     config = model.config
-    head_dim = model_shape(config, "kvlab.generate")[2]
+    head_dim = model_shape(config, "kvlab.generate", sliding=True)[2]
+    if fmt.codec == "transform" and transform is None:
+        raise ValueError("KVFormat('transform') needs the calibrated codecs: kvlab.generate(..., transform="
+                         "kvlab.transform.calibration.calibrate(model, calibration_ids))")
+    if fmt.codec == "centered" and key_stats is None:
+        raise ValueError("KVFormat('centered', ...) needs the keys' channel statistics: kvlab.generate(..., "
+                         "key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
     why = fused_support(fmt, head_dim)
+    if why is None and "sliding_attention" in layer_types(config):
+        why = "the model has sliding-window layers; the fused decode attends to every stored token"
     total = prompt + max_new_tokens
     if max_length is None:
         max_length = total
@@ -115,7 +157,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         model.set_attn_implementation(ATTENTION)
         path = "fused"
     else:
-        cache = KVCache(fmt, config=config, backend=backend, transform=transform)
+        cache = KVCache(fmt, config=config, backend=backend, transform=transform, key_stats=key_stats)
         model.set_attn_implementation("sdpa")
         path = "materialising"
     try:

@@ -444,6 +444,13 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
                 if not isinstance(kv, Cache):
                     raise TypeError(f"cache must return a fresh transformers Cache for each window, got "
                                     f"{type(kv).__name__}" + (f" for {name!r}" if name else ""))
+                if kv.get_seq_length() != 0:
+                    raise ValueError(f"cache must return a fresh (empty) Cache for each window, got one holding "
+                                     f"{kv.get_seq_length()} tokens" + (f" for {name!r}" if name else "")
+                                     + ": build it in the callable, e.g. lambda: KVCache(fmt, config=model.config)")
+            if len({id(kv) for kv in caches.values()}) < len(caches):
+                raise ValueError("cache: two names returned the same Cache object; each needs its own")
+            for kv in caches.values():
                 if hasattr(kv, "decode_view"):
                     kv.decode_view = decode_view
             shared = [name for name, kv in caches.items() if _shares_prompt(kv)]

@@ -16,11 +16,11 @@ What
 
     ``PagedKVCache`` is a ``transformers.Cache`` and ``"kvlab"`` an attention implementation registered
     with ``transformers.AttentionInterface`` (with its mask function in ``AttentionMaskInterface``). A
-    model generates through them with two lines::
+    model generates through them (importing this module, as building a ``PagedKVCache`` does, registers both)::
 
-        model.set_attn_implementation("kvlab")
         cache = kvlab.PagedKVCache(KVFormat("mse", 4, 4, rotation="hadamard"), config=model.config,
                                    batch_size=2, max_length=4096, device="cuda")
+        model.set_attn_implementation("kvlab")
         out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=64)
 
     The blocks are allocated up front, the slot of a new token and the sequence lengths are computed on
@@ -189,6 +189,15 @@ class PagedKVCacheLayer(CacheLayerMixin):
         if self.length + n > o.max_length:
             raise ValueError(f"the cache holds max_length={o.max_length} tokens per sequence; it holds {self.length} "
                              f"and was given {n} more")
+        step = n == 1 and valid is None and not o.check_steps
+        if self.layer_idx == 0:
+            o._undo = []  # a new forward pass
+        elif o._undo and self.length != (held := o._undo[0][1]):
+            o._rollback()
+            raise ValueError(f"layer {self.layer_idx} holds {self.length} tokens but layer 0 held {held} "
+                             f"before this forward pass: an earlier pass failed partway; start again with a new cache")
+        # what undoes this layer's store if the pass fails (a decode step adds one token to every sequence: no copy)
+        o._undo.append((self, self.length, None if step else self.seq_lens.clone()))
         slots = self._slots(n, valid)
         if o.kind == "transform":
             self._store_transform(key, value, slots, n, valid)
@@ -199,11 +208,7 @@ class PagedKVCacheLayer(CacheLayerMixin):
         k = key.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         v = value.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         kc, vc = o.key_codec, o.value_codec
-        step = n == 1 and valid is None and not o.check_steps
         if not step:  # a prompt, a continuation or a checked step: host syncs, undone in every layer if it fails
-            if self.layer_idx == 0:
-                o._undo = []
-            o._undo.append((self, self.length, self.seq_lens.clone()))
             try:
                 self._store_checked(key, value, k, v, slots, dtype)
             except ValueError:
@@ -256,9 +261,6 @@ class PagedKVCacheLayer(CacheLayerMixin):
         M = TA if o.backend == "triton" else TR
         ys = (M.transform(self.key_codec, k), M.transform(self.value_codec, v))
         if not (n == 1 and valid is None) or o.check_steps:
-            if self.layer_idx == 0:
-                o._undo = []
-            o._undo.append((self, self.length, self.seq_lens.clone()))
             try:
                 keep = slots >= 0
                 for name, x, codec, y in (("key_states", key, self.key_codec, ys[0]),
@@ -389,10 +391,15 @@ class PagedKVCache(Cache):
         C.check_int("max_length", max_length, minimum=1)
         C.check_int("block_size", block_size, minimum=1)
         C.check_choice("backend", backend, BACKENDS)
-        device = torch.device("cpu" if device is None else device)
+        try:
+            device = torch.device("cpu" if device is None else device)
+            torch.empty(0, device=device)  # a device this torch can allocate on
+        except (RuntimeError, TypeError, AssertionError) as exc:
+            raise ValueError(f"device must be a torch device this machine has, got {device!r} ({exc})") from None
         self.fmt, self.num_kv_heads, self.head_dim, self.check_steps = fmt, num_kv_heads, head_dim, check_steps
         self.batch, self.max_length, self.block_size, self.device = batch_size, max_length, block_size, device
         self.backend = ("triton" if device.type == "cuda" else "reference") if backend == "auto" else backend
+        C.check_backend_device(self.backend, device)
         self.max_blocks = -(-max_length // block_size)
         self.transform = None
         if fmt.codec == "transform" or transform is not None:
@@ -420,7 +427,7 @@ class PagedKVCache(Cache):
         self.block_table = torch.arange(batch_size * self.max_blocks, dtype=torch.int32, device=device).view(
             batch_size, self.max_blocks)
         self.first_slot = self.block_table[:, 0].long() * block_size  # blocks of a sequence are consecutive
-        self._undo = []  # (layer, length, seq_lens) before the checked stores of the current forward pass
+        self._undo = []  # (layer, length, seq_lens or None) before the stores of the current forward pass
         super().__init__(layers=[PagedKVCacheLayer(self, i) for i in range(num_layers)])
 
     def __repr__(self) -> str:
@@ -430,6 +437,15 @@ class PagedKVCache(Cache):
     @torch.compiler.disable  # host bookkeeping: a compiled layer calls it eagerly (``compiled_layers``)
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Hand the new keys and values of layer ``layer_idx`` to kvlab's attention, which stores them."""
+        if type(layer_idx) is int and layer_idx == 0:
+            self._undo = []  # a new forward pass: the last one is kept as it is
+        try:
+            return self._hand_over(key_states, value_states, layer_idx)
+        except BaseException:
+            self._rollback()  # the stores of this forward pass's earlier layers
+            raise
+
+    def _hand_over(self, key_states, value_states, layer_idx):
         if _HANDOFF.layer is not None:
             _HANDOFF.layer = None
             raise ValueError("a PagedKVCache is read by kvlab's attention only: load the model with "
@@ -479,12 +495,19 @@ class PagedKVCache(Cache):
         """Bytes allocated for codes, every layer."""
         return sum(layer.allocated_nbytes() for layer in self.layers)
 
+    def reset(self) -> None:
+        self._undo = []
+        super().reset()
+
     def _rollback(self) -> None:
-        """Undo the checked stores of the failing forward pass: every layer's lengths as they were before it (the
-        bytes it wrote lie past those lengths, where nothing reads them)."""
+        """Undo the stores of the failing forward pass: every layer's lengths as they were before it (the bytes it
+        wrote lie past those lengths, where nothing reads them)."""
         for layer, length, seq_lens in reversed(self._undo):
+            if seq_lens is None:  # a decode step: one token more in every sequence, if it got as far as counting it
+                layer.seq_lens -= layer.length - length
+            else:
+                layer.seq_lens.copy_(seq_lens)
             layer.length = length
-            layer.seq_lens.copy_(seq_lens)
         self._undo = []
 
     def advance(self, n: int = 1) -> None:
@@ -522,6 +545,14 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if layer is None or layer.layer_idx != getattr(module, "layer_idx", layer.layer_idx):
         raise ValueError("attn_implementation='kvlab' needs a kvlab.PagedKVCache: pass cache=kvlab.PagedKVCache(...) "
                          "or use kvlab.generate")
+    try:
+        return _attend(layer, module, query, key, value, attention_mask, scaling, **kwargs)
+    except BaseException:
+        layer.owner._rollback()  # the forward pass's stores of every layer, this one's included
+        raise
+
+
+def _attend(layer, module, query, key, value, attention_mask, scaling, **kwargs):
     batch, num_q_heads, n, dim = query.shape
     scale = dim**-0.5 if scaling is None else float(scaling)
     if layer.length == 0:  # the prompt: exact attention, then store what is not padding

@@ -52,6 +52,8 @@ class AffineStream:
     code_bytes]``; per-head bits: ``[B, tokens, bytes_per_token]``.
     """
 
+    GROWING = {"codes": 2}  # tensors that writes only extend, and along which axis (a cache's undo cuts them back)
+
     def __init__(self, bits, group_size: int, axis: str, num_heads: int, head_dim: int, backend: str):
         self.bits, self.group_size, self.axis = bits, group_size, axis
         self.num_heads, self.head_dim, self.backend = num_heads, head_dim, backend
@@ -67,6 +69,8 @@ class AffineStream:
             self.codec = affine_codec(bits, group_size, axis)
         self.codes: torch.Tensor | None = None
         self.tokens = 0
+        if self.mixed:
+            self.GROWING = {"codes": 1}
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, H, n, D]`` -> codes (n a multiple of ``unit``)."""
@@ -109,6 +113,8 @@ class MSEStore:
 
     ``key_codec`` is an ``MSECodec`` or a ``CenteredMSECodec`` (same slot).
     """
+
+    GROWING = {"cache": 0}  # blocks are only appended
 
     def __init__(self, key_codec: MSECodec | CenteredMSECodec, value_codec: MSECodec, num_heads: int,
                  block_size: int, batch: int, device, backend: str):
@@ -208,6 +214,8 @@ class TransformStore(MSEStore):
     """Keys and values of one layer in two paged caches of transform-codec rows ``[num_blocks, block_size,
     row_bytes]`` (``kvlab.transform``); keys coded before RoPE when ``rope`` is set (undone at each token's
     position before encoding, applied again after decoding)."""
+
+    GROWING = {"k_cache": 0, "v_cache": 0, "cache": 0}
 
     def __init__(self, key_codec, value_codec, rope, num_heads: int, head_dim: int, block_size: int, batch: int,
                  device, backend: str):

@@ -209,7 +209,8 @@ def sweep(
     """Run ``notebook`` over the cartesian product of ``grid`` (``{name: [values]}``); see the module doc."""
     source = Path(notebook)
     if source.suffix != ".ipynb" or not source.is_file():
-        raise SweepError(f"notebook {str(notebook)!r} is not an .ipynb file")
+        raise SweepError(f"notebook {str(notebook)!r} is not an .ipynb file" if source.suffix != ".ipynb" or source.is_dir()
+                         else f"notebook {str(notebook)!r}: no such file")
     if executor not in EXECUTORS:
         raise SweepError(f"--executor must be one of {EXECUTORS}, got {executor!r}")
     if executor == "dask" and not address:

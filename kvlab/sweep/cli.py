@@ -67,7 +67,8 @@ def _main(args) -> int:
     try:
         source = Path(args.notebook)
         if source.suffix != ".ipynb" or not source.is_file():
-            raise SweepError(f"notebook {args.notebook!r} is not an .ipynb file")
+            raise SweepError(f"notebook {args.notebook!r} is not an .ipynb file" if source.suffix != ".ipynb" or source.is_dir()
+                             else f"notebook {args.notebook!r}: no such file")
         defaults = notebook_parameters(read_notebook(source)[1])
         grid: dict[str, list] = {}
         for name, text in args.parameter:
