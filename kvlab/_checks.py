@@ -76,6 +76,27 @@ def check_kernel_device(name: str, x: torch.Tensor) -> None:
         )
 
 
+def vocabulary(model) -> int | None:
+    """The number of rows of ``model``'s input embeddings, its vocabulary (None for a model without one)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab: int | None) -> None:
+    """Every id of ``ids`` in ``[0, vocab)`` (one host sync; nothing to check without a vocabulary or ids)."""
+    if vocab is not None and ids.numel():
+        low, high = (int(t) for t in torch.aminmax(ids))
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{name} must be token ids in [0, {vocab}) (the model's vocabulary), got range [{low}, {high}]")
+
+
+def check_token_id(name: str, token, vocab: int | None) -> None:
+    """One token id: an int in ``[0, vocab)``."""
+    check_int(name, token, minimum=0)
+    if vocab is not None and token >= vocab:
+        raise ValueError(f"{name} must be a token id in [0, {vocab}) (the model's vocabulary), got {token}")
+
+
 def check_backend_device(backend: str, device: torch.device) -> None:
     """``backend="triton"`` needs a CUDA device, or Triton's interpreter (``TRITON_INTERPRET=1``) elsewhere."""
     if backend == "triton" and device.type != "cuda" and not interpreted():

@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KINDS", "fwht", "haar", "hadamard", "hadamard_scale", "hadamard_signs", "rotation_matrix"]
+__all__ = ["KINDS", "check_seed", "fwht", "haar", "hadamard", "hadamard_scale", "hadamard_signs", "rotation_matrix"]
 
 KINDS = ("haar", "hadamard")
 
 
-def _generator(seed: int) -> torch.Generator:
+def check_seed(seed) -> int:
+    """``seed`` if it is an int a ``torch.Generator`` takes, else a TypeError or ValueError naming it."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must be in [-2**63, 2**64) (a torch.Generator seed), got {seed}")
-    return torch.Generator(device="cpu").manual_seed(seed)
+    return seed
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(check_seed(seed))
 
 
 MAX_DIM = 8192  # a dense [dim, dim] rotation: 512 MiB in float64 at this size, seconds to build

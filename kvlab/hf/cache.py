@@ -528,10 +528,7 @@ class KVCache(DecodeViewCache):
         updates of the layers before it, so the cache is as it was before the pass. A layer index the cache does not
         have changes nothing. (A pass that fails between layers in the model's own code leaves the earlier layers'
         tokens: start again with a new cache.)"""
-        C.check_int("layer_idx", layer_idx)  # a bad index changes nothing, not even the pass's earlier layers
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}: "
-                             f"build the cache from the config of the model it serves")
+        self._check_layer_idx(layer_idx)  # a bad index changes nothing, not even the pass's earlier layers
         journal = self._journal if layer_idx != 0 else []
         try:
             layer = self.layers[layer_idx]

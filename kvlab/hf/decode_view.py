@@ -100,10 +100,14 @@ class DecodeViewCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the new tokens of layer ``layer_idx``; return what attention uses (the layer's ``update``)."""
+        self._check_layer_idx(layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_layer_idx(self, layer_idx) -> None:
         C.check_int("layer_idx", layer_idx)
         if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (the cache's layers), got {layer_idx}: "
+                             f"build the cache from the config of the model it serves")
 
 
 class _Handoff(threading.local):

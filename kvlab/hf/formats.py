@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .. import _checks as C
 from ..layout import AFFINE_BITS, MSE_BITS, NORM_BYTES, packed_bytes
-from ..rotation import KINDS as ROTATIONS, MAX_DIM
+from ..rotation import KINDS as ROTATIONS, MAX_DIM, check_seed
 
 __all__ = ["CODECS", "KEY_AXES", "KVFormat", "MSE_CODECS"]
 
@@ -57,9 +57,7 @@ class KVFormat:
         if group_size % 8:
             raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
         C.check_choice("rotation", rotation, ROTATIONS)
-        C.check_int("seed", seed)
-        if not -(2**63) <= seed < 2**64:
-            raise ValueError(f"seed must be in [-2**63, 2**64) (a torch.Generator seed), got {seed}")
+        check_seed(seed)
         if codec == "transform":  # the bits are the calibrated codecs' (KVCache(transform=...))
             for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
                 if bits is not None:

@@ -95,18 +95,11 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         raise TypeError(f"cuda_graph must be a bool or None, got {type(cuda_graph).__name__}")
     if max_length is not None:
         C.check_int("max_length", max_length, minimum=1)
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    vocab = getattr(embeddings, "num_embeddings", None)
-    if vocab is not None:
-        low, high = (int(t) for t in torch.aminmax(input_ids))  # one sync
-        if low < 0 or high >= vocab:
-            raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the model's vocabulary), "
-                             f"got range [{low}, {high}]")
+    vocab = C.vocabulary(model)
+    C.check_token_ids("input_ids", input_ids, vocab)
     for name, token in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
         if token is not None:
-            C.check_int(name, token, minimum=0)
-            if vocab is not None and token >= vocab:
-                raise ValueError(f"{name} must be a token id in [0, {vocab}) (the model's vocabulary), got {token}")
+            C.check_token_id(name, token, vocab)
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}")
@@ -117,8 +110,9 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         mask = attention_mask.long()
         if bool(((mask != 0) & (mask != 1)).any()):
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-        if bool((mask[:, 1:] < mask[:, :-1]).any()):
-            row = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
+        padded_after = (mask[:, 1:] < mask[:, :-1]).any(1)  # a 0 after a 1: right padding
+        if bool(padded_after.any()):
+            row = int(padded_after.nonzero()[0])
             raise ValueError(f"attention_mask must be left-padded (zeros before the tokens): sequence {row} has padding "
                              f"after a token (a tokenizer pads on the left with tokenizer.padding_side = 'left')")
         if bool((mask.sum(1) == 0).any()):

@@ -414,14 +414,10 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
     if max_windows is not None:
         n_windows = min(n_windows, max_windows)
     factories = {k: (v or (lambda: DynamicCache(config=model.config))) for k, v in factories.items()}
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    vocab = getattr(embeddings, "num_embeddings", None)
-    if vocab is not None and ids.numel():
-        low, high = (int(t) for t in torch.aminmax(ids))  # one sync
-        if low < 0 or high >= vocab:
-            raise ValueError(f"ids must be token ids in [0, {vocab}) (the model's vocabulary), got range [{low}, {high}]")
-        if bos is not None and bos >= vocab:
-            raise ValueError(f"bos must be a token id in [0, {vocab}) (the model's vocabulary), got {bos}")
+    vocab = C.vocabulary(model)
+    C.check_token_ids("ids", ids, vocab)
+    if bos is not None:
+        C.check_token_id("bos", bos, vocab)
     longest = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(longest, int) and window > longest:
         raise ValueError(f"window ({window}) must be at most the model's max_position_embeddings ({longest}): "

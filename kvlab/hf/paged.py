@@ -183,21 +183,30 @@ class PagedKVCacheLayer(CacheLayerMixin):
         return slots.reshape(-1)
 
     def store(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Store ``key``/``value`` ``[B, H, n, D]`` after each sequence's stored tokens (``valid [B, n]``: which)."""
+        """Store ``key``/``value`` ``[B, H, n, D]`` after each sequence's stored tokens (``valid [B, n]``: which). A
+        store that raises undoes every store of the forward pass, this layer's included."""
         o = self.owner
-        batch, heads, n, dim = key.shape
-        if self.length + n > o.max_length:
-            raise ValueError(f"the cache holds max_length={o.max_length} tokens per sequence; it holds {self.length} "
-                             f"and was given {n} more")
+        n = key.shape[2]
         step = n == 1 and valid is None and not o.check_steps
         if self.layer_idx == 0:
             o._undo = []  # a new forward pass
-        elif o._undo and self.length != (held := o._undo[0][1]):
-            o._rollback()
-            raise ValueError(f"layer {self.layer_idx} holds {self.length} tokens but layer 0 held {held} "
-                             f"before this forward pass: an earlier pass failed partway; start again with a new cache")
         # what undoes this layer's store if the pass fails (a decode step adds one token to every sequence: no copy)
         o._undo.append((self, self.length, None if step else self.seq_lens.clone()))
+        try:
+            if self.length + n > o.max_length:
+                raise ValueError(f"the cache holds max_length={o.max_length} tokens per sequence; it holds "
+                                 f"{self.length} and was given {n} more")
+            if self.length != (held := o._undo[0][1]):
+                raise ValueError(f"layer {self.layer_idx} holds {self.length} tokens but layer 0 held {held} before "
+                                 f"this forward pass: an earlier pass failed partway; start again with a new cache")
+            self._write(key, value, valid, step)
+        except BaseException:
+            o._rollback()
+            raise
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, step: bool) -> None:
+        o = self.owner
+        batch, heads, n, dim = key.shape
         slots = self._slots(n, valid)
         if o.kind == "transform":
             self._store_transform(key, value, slots, n, valid)
@@ -208,12 +217,8 @@ class PagedKVCacheLayer(CacheLayerMixin):
         k = key.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         v = value.transpose(1, 2).reshape(batch * n, heads, dim).to(dtype)
         kc, vc = o.key_codec, o.value_codec
-        if not step:  # a prompt, a continuation or a checked step: host syncs, undone in every layer if it fails
-            try:
-                self._store_checked(key, value, k, v, slots, dtype)
-            except ValueError:
-                o._rollback()
-                raise
+        if not step:  # a prompt, a continuation or a checked step: host syncs
+            self._store_checked(key, value, k, v, slots, dtype)
         elif o.backend == "triton":  # a decode step: launches prepared once, nothing checked, no sync
             prepared = self._store_step
             if prepared is None or prepared.shape != tuple(k.shape) or prepared.dtype != k.dtype:
@@ -261,15 +266,11 @@ class PagedKVCacheLayer(CacheLayerMixin):
         M = TA if o.backend == "triton" else TR
         ys = (M.transform(self.key_codec, k), M.transform(self.value_codec, v))
         if not (n == 1 and valid is None) or o.check_steps:
-            try:
-                keep = slots >= 0
-                for name, x, codec, y in (("key_states", key, self.key_codec, ys[0]),
-                                          ("value_states", value, self.value_codec, ys[1])):
-                    C.check_finite(name, x)
-                    M.check_gains(codec, y[keep], name)
-            except ValueError:
-                o._rollback()
-                raise
+            keep = slots >= 0
+            for name, x, codec, y in (("key_states", key, self.key_codec, ys[0]),
+                                      ("value_states", value, self.value_codec, ys[1])):
+                C.check_finite(name, x)
+                M.check_gains(codec, y[keep], name)
         for codec, cache, y in ((self.key_codec, self.k_cache, ys[0]), (self.value_codec, self.v_cache, ys[1])):
             if o.backend == "triton":
                 TK.store_transform(y, codec, cache, slots)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from . import executors as X
 from .grid import (
-    Run, SweepError, canonical, check_grid, format_value, grid_runs, notebook_parameters, read_notebook,
+    Run, SweepError, canonical, check_grid, format_value, grid_runs, notebook_parameters, notebook_path,
+    read_notebook,
 )
 from .run import ABORT, Outcome, Task, glued_scalars, jsonable
 
@@ -207,10 +208,7 @@ def sweep(
     progress: bool = True,
 ) -> SweepResult:
     """Run ``notebook`` over the cartesian product of ``grid`` (``{name: [values]}``); see the module doc."""
-    source = Path(notebook)
-    if source.suffix != ".ipynb" or not source.is_file():
-        raise SweepError(f"notebook {str(notebook)!r} is not an .ipynb file" if source.suffix != ".ipynb" or source.is_dir()
-                         else f"notebook {str(notebook)!r}: no such file")
+    source = notebook_path(notebook)
     if executor not in EXECUTORS:
         raise SweepError(f"--executor must be one of {EXECUTORS}, got {executor!r}")
     if executor == "dask" and not address:

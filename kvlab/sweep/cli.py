@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from pathlib import Path
 
 from .api import EXECUTORS, sweep
-from .grid import SweepError, notebook_parameters, parse_axis, read_notebook
+from .grid import SweepError, notebook_parameters, notebook_path, parse_axis, read_notebook
 
 
 
@@ -65,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args) -> int:
     try:
-        source = Path(args.notebook)
-        if source.suffix != ".ipynb" or not source.is_file():
-            raise SweepError(f"notebook {args.notebook!r} is not an .ipynb file" if source.suffix != ".ipynb" or source.is_dir()
-                             else f"notebook {args.notebook!r}: no such file")
+        source = notebook_path(args.notebook)
         defaults = notebook_parameters(read_notebook(source)[1])
         grid: dict[str, list] = {}
         for name, text in args.parameter:

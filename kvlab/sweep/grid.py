@@ -52,6 +52,16 @@ def notebook_parameters(notebook: dict) -> dict[str, object]:
     raise SweepError("the notebook has no code cell tagged 'parameters', so it takes no parameters")
 
 
+def notebook_path(notebook) -> Path:
+    """``notebook`` as a Path; SweepError unless it names an existing .ipynb file."""
+    source = Path(notebook)
+    if source.suffix != ".ipynb" or source.is_dir():
+        raise SweepError(f"notebook {str(notebook)!r} is not an .ipynb file")
+    if not source.is_file():
+        raise SweepError(f"notebook {str(notebook)!r}: no such file")
+    return source
+
+
 def read_notebook(source: Path) -> tuple[bytes, dict]:
     """The bytes of the notebook file ``source`` and its JSON; SweepError unless it is a valid nbformat 4 notebook."""
     import copy
