@@ -54,6 +54,24 @@ def check_tensor(name: str, x, dtypes=None, ndim_min=None, last_dim=None) -> tor
     return x
 
 
+def check_states(name: str, x) -> torch.Tensor:
+    """A cache update's ``key_states`` / ``value_states``: a tensor of a dtype the caches store (a float64 model's
+    keys are refused with the remedy)."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype in (float16, bfloat16, float32), got {str(x.dtype).replace('torch.', '')}: "
+                        f"kvlab's caches hold the keys and values of a float16, bfloat16 or float32 model "
+                        f"(e.g. model.to(torch.float32))")
+    return check_tensor(name, x, FLOAT_DTYPES)
+
+
+def check_model_dtype(model) -> None:
+    """``model``'s floating weights are float16, bfloat16 or float32, the dtypes kvlab's caches hold."""
+    weight = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if weight is not None and weight.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"model must run in float16, bfloat16 or float32 (the dtypes kvlab's caches hold), its "
+                        f"weights are {str(weight.dtype).replace('torch.', '')} (e.g. model.to(torch.float32))")
+
+
 def check_finite(name: str, x: torch.Tensor) -> None:
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} holds NaN or Inf values; only finite values are allowed")

@@ -436,6 +436,7 @@ def test_more_bad_arguments():
         (dict(do_sample="no"), TypeError, "do_sample must be a bool"),
         (dict(cuda_graph=1), TypeError, "cuda_graph must be a bool or None"),
         (dict(model=None), TypeError, "model must be a transformers causal LM"),
+        (dict(model=tiny_model(4, 2, 64, dtype=torch.float64)), TypeError, r"model must run in float16, bfloat16 or float32"),
         (dict(fmt=KVFormat("transform")), ValueError, r"kvlab.generate\(\.\.\., transform="),
         (dict(fmt=KVFormat("centered", 4, 4)), ValueError, r"kvlab.generate\(\.\.\., key_stats="),
     ]:
@@ -452,6 +453,12 @@ def test_more_bad_arguments():
     with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64\)"):
         KVFormat("mse", 4, 4, seed=2**70)
     assert model.config._attn_implementation == "sdpa"
+    for make in (lambda: KVCache(fmt, config=model.config),
+                 lambda: PagedKVCache(fmt, config=model.config, batch_size=2, max_length=8)):
+        cache = make()
+        with pytest.raises(TypeError, match=r"key_states must have dtype in .* got float64: .* model.to\(torch.float32\)"):
+            cache.update(torch.zeros(2, 2, 3, 64, dtype=torch.float64), torch.zeros(2, 2, 3, 64, dtype=torch.float64), 0)
+        assert cache.get_seq_length() == 0
 
 
 def test_the_centred_codec_generates_with_key_stats():

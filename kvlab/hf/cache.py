@@ -199,7 +199,7 @@ class KVCacheLayer(CacheLayerMixin):
     def _check_states(self, key_states, value_states) -> None:
         """Types, dtypes, shapes and devices of an update, and values that the layer can store (one host sync)."""
         for name, x in (("key_states", key_states), ("value_states", value_states)):
-            C.check_tensor(name, x, C.FLOAT_DTYPES)
+            C.check_states(name, x)
             if x.dim() != 4:
                 raise ValueError(f"{name} must be [batch, {self.num_heads}, tokens, {self.head_dim}] "
                                  f"(batch, KV heads, tokens, head_dim), got shape {tuple(x.shape)}")

@@ -89,6 +89,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers causal LM (a torch.nn.Module with a config), "
                         f"got {type(model).__name__}")
+    C.check_model_dtype(model)
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
     if cuda_graph is not None and not isinstance(cuda_graph, bool):

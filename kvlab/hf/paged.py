@@ -454,7 +454,7 @@ class PagedKVCache(Cache):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx must be an int in [0, {len(self.layers)}), got {layer_idx!r}")
         for name, x in (("key_states", key_states), ("value_states", value_states)):
-            C.check_tensor(name, x, C.FLOAT_DTYPES)
+            C.check_states(name, x)
             if x.dim() != 4:
                 raise ValueError(f"{name} must be [batch, KV heads, tokens, head_dim], got shape {tuple(x.shape)}")
         batch, heads, n, dim = key_states.shape

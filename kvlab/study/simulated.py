@@ -199,7 +199,7 @@ class _SimulatedLayer(CacheLayerMixin):
 
     def _check_states(self, key_states, value_states, pos: torch.Tensor) -> None:
         for name, x in (("key_states", key_states), ("value_states", value_states)):
-            C.check_tensor(name, x, C.FLOAT_DTYPES)
+            C.check_states(name, x)
             if x.dim() != 4:
                 raise ValueError(f"{name} must be [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
         if value_states.shape != key_states.shape:
