@@ -5,6 +5,8 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument and what 
 
 from __future__ import annotations
 
+import math
+import numbers
 import weakref
 
 import torch
@@ -25,6 +27,16 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def fit_fp16(q32: torch.Tensor):
+    """``(q16, f)``: ``q32 / f`` in fp16 and the power of two ``f`` (1.0 when ``q32`` fits) that keeps it finite (one
+    host sync). A kernel that reads ``q16`` multiplies its scores by ``f``."""
+    peak = float(q32.abs().amax()) if q32.numel() else 0.0
+    if not math.isfinite(peak):
+        raise ValueError("q * scale overflows float32 (after the rotation); use a smaller q or scale")
+    f = 2.0 ** max(0, math.ceil(math.log2(peak / 2.0**15))) if peak > 2.0**15 else 1.0
+    return (q32 / f).to(torch.float16).contiguous(), f
+
+
 def check_int(name: str, value, allowed=None, minimum=None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -32,6 +44,22 @@ def check_int(name: str, value, allowed=None, minimum=None) -> int:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_scale(name: str, value) -> float:
+    """A positive finite real number (a Python or numpy scalar), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive finite float, got {type(value).__name__}")
+    value = float(value)
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
     return value
 
 
@@ -239,7 +267,7 @@ def check_codes(name: str, codes, bits: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- who wrote a cache
 
 # A paged cache is a plain uint8 tensor. The launchers that write codes into it record the identity of the
-# key and value codecs that wrote it (keyed by its storage); a checked read with codecs of another identity
+# key and value codecs that wrote it (per storage, per view: ``_same_cache``); a checked read with codecs of another identity
 # (other bits in a slot of the same size, another rotation or seed) is an error instead of wrong numbers.
 # A write of codes whose codecs are not known (``kvlab.mse.reference.store_slots``) forgets the record.
 _WRITERS: dict = {}
@@ -277,26 +305,53 @@ def _storage_key(cache: torch.Tensor):
     return (str(cache.device), cache.untyped_storage().data_ptr())
 
 
+def _view(cache: torch.Tensor):
+    """The bytes a view spans, ``[start, end)``, and its strides in bytes."""
+    size = cache.element_size()
+    start = cache.data_ptr()
+    end = start + size + sum((n - 1) * s * size for n, s in zip(cache.shape, cache.stride())) if cache.numel() else start
+    return start, end, tuple(s * size for s in cache.stride())
+
+
+def _same_cache(a, b) -> bool:
+    """Whether two views of one storage are one cache: the same strides in their common last dimensions, and the
+    span of one within the other's (a slice of a cache's blocks; not another layer of one buffer, which lies beside
+    it or interleaved with it)."""
+    (a0, a1, sa), (b0, b1, sb) = a, b
+    k = min(len(sa), len(sb))
+    if sa[len(sa) - k:] != sb[len(sb) - k:]:
+        return False
+    return (a0 <= b0 and b1 <= a1) or (b0 <= a0 and a1 <= b1)
+
+
+def _writers_of(cache: torch.Tensor) -> list:
+    """The live records of views of ``cache``'s storage that are one cache with it (dead ones are dropped)."""
+    key = _storage_key(cache)
+    records = [r for r in _WRITERS.get(key, []) if r[0]() is not None]  # a freed tensor's storage may be reused
+    _WRITERS[key] = records
+    view = _view(cache)
+    return [r for r in records if _same_cache(view, r[1])]
+
+
 def record_writer(cache: torch.Tensor, key_codec, value_codec) -> None:
     """Remember that ``key_codec`` / ``value_codec`` wrote ``cache`` (None: forget who did)."""
-    key = _storage_key(cache)
+    key, view = _storage_key(cache), _view(cache)
+    related = _writers_of(cache)
+    _WRITERS[key] = [r for r in _WRITERS[key] if r not in related]
     if key_codec is None:
-        _WRITERS.pop(key, None)
         return
     base = cache if cache._base is None else cache._base  # a view written into lives no longer than its base
-    _WRITERS[key] = (weakref.ref(base), codec_identity(key_codec), codec_identity(value_codec))
+    _WRITERS[key].append((weakref.ref(base), view, codec_identity(key_codec), codec_identity(value_codec)))
 
 
 def check_reader(cache: torch.Tensor, key_codec=None, value_codec=None, *, names=("key_codec", "value_codec")) -> None:
     """Raise if ``cache`` was last written with codecs other than the given ones (None: not read); ``names``: the
     caller's names of the two arguments."""
-    entry = _WRITERS.get(_storage_key(cache))
-    if entry is None:
-        return
-    ref, key_id, value_id = entry
-    if ref() is None:  # the tensor that was written is gone: its storage was freed and may be reused
-        _WRITERS.pop(_storage_key(cache), None)
-        return
+    for _, _, key_id, value_id in _writers_of(cache):
+        _check_identities(names, key_codec, value_codec, key_id, value_id)
+
+
+def _check_identities(names, key_codec, value_codec, key_id, value_id) -> None:
     for name, codec, written in ((names[0], key_codec, key_id), (names[1], value_codec, value_id)):
         if codec is None:
             continue

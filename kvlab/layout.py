@@ -109,12 +109,15 @@ class MSESlot:
     value_bits: int
 
     def __post_init__(self):
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+        for name in ("dim", "key_bits", "value_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if self.dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {self.dim!r}")
         for name in ("key_bits", "value_bits"):
-            bits = getattr(self, name)
-            if isinstance(bits, bool) or not isinstance(bits, int) or bits not in MSE_BITS:
-                raise ValueError(f"{name} must be 2, 3 or 4, got {bits!r}")
+            if getattr(self, name) not in MSE_BITS:
+                raise ValueError(f"{name} must be 2, 3 or 4, got {getattr(self, name)!r}")
 
     @property
     def key_bytes(self) -> int:

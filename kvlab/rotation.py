@@ -109,5 +109,7 @@ def rotation_matrix(kind: str, dim: int, seed: int = 0, *, device=None, dtype=to
     """``haar`` or ``hadamard`` matrix, cast to ``dtype`` on ``device``."""
     if kind not in KINDS:
         raise ValueError(f"rotation must be one of {KINDS}, got {kind!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype}")
     m = haar(dim, seed) if kind == "haar" else hadamard(dim, seed)
     return m.to(dtype).to(device)

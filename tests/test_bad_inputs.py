@@ -412,6 +412,20 @@ def test_decode_attention_with_another_seed_is_an_error():
         kvlab.decode_attention(q, cache, table, lens, kc, kvlab.MSECodec(DIM, 3, seed=7))
 
 
+def test_views_of_one_buffer_keep_their_own_writers():
+    """Caches that are views of one allocation (one per layer) each remember the codecs that wrote them."""
+    layout = kvlab.MSESlot(DIM, 4, 4)
+    buffer = torch.zeros(2, 3, 4, HEADS, layout.slot_bytes, dtype=torch.uint8, device=DEVICE)
+    a, b = kvlab.MSECodec(DIM, 4, seed=0), kvlab.MSECodec(DIM, 4, seed=1)
+    x, slots = torch.randn(4, HEADS, DIM).to(DEVICE), torch.arange(4, device=DEVICE)
+    kvlab.store_mse(x, x, slots, buffer[1], a, a)
+    kvlab.store_mse(x, x, slots, buffer[0], b, b)
+    with pytest.raises(ValueError, match=r"got mse\(dim=64, bits=4, rotation='haar', seed=1"):
+        kvlab.load_mse(buffer[1], slots, b, part="key", space="model")
+    kvlab.load_mse(buffer[1], slots, a, part="key", space="model")
+    kvlab.load_mse(buffer[0], slots, b, part="key", space="model")
+
+
 def test_codes_written_by_the_reference_are_not_vouched_for():
     cache, slots = _written_cache(kvlab.MSECodec(DIM, 4), kvlab.MSECodec(DIM, 3))
     other_k, other_v = kvlab.MSECodec(DIM, 3), kvlab.MSECodec(DIM, 4)  # same slot size
@@ -519,12 +533,13 @@ def test_packed_bytes_sizes(dim, bits, match):
         kvlab.layout.packed_bytes(dim, bits)
 
 
-@pytest.mark.parametrize("args, match", [
-    ((0, 4, 4), "dim must be an int >= 1"), ((64.0, 4, 4), "dim must be an int >= 1"),
-    ((64, 8, 4), "key_bits must be 2, 3 or 4"), ((64, 4, 1), "value_bits must be 2, 3 or 4"),
+@pytest.mark.parametrize("args, error, match", [
+    ((0, 4, 4), ValueError, "dim must be an int >= 1"), ((64.0, 4, 4), TypeError, "dim must be an int, got float"),
+    ((True, 4, 4), TypeError, "dim must be an int, got bool"), ((64, 4.0, 4), TypeError, "key_bits must be an int"),
+    ((64, 8, 4), ValueError, "key_bits must be 2, 3 or 4"), ((64, 4, 1), ValueError, "value_bits must be 2, 3 or 4"),
 ])
-def test_mse_slot_sizes(args, match):
-    with pytest.raises(ValueError, match=match):
+def test_mse_slot_sizes(args, error, match):
+    with pytest.raises(error, match=match):
         kvlab.MSESlot(*args)
 
 

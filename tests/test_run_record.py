@@ -103,3 +103,11 @@ def test_the_source_fingerprint_names_a_missing_path(tmp_path):
     nb = _notebook(tmp_path / "a.ipynb", [])
     with pytest.raises(ValueError, match="package: no such folder"):
         source_fingerprint(nb, tmp_path / "none")
+
+
+def test_the_cell_papermill_injects_is_removed_from_the_page(runner):
+    nb = {"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters", "hide-input"]}, "source": "small = True"},
+                    {"cell_type": "code", "metadata": {"tags": ["injected-parameters"]}, "source": "small = False"}]}
+    runner.hide_injected_parameters(nb)
+    runner.hide_injected_parameters(nb)  # once only
+    assert [c["metadata"]["tags"] for c in nb["cells"]] == [["parameters", "hide-input"], ["injected-parameters", "remove-cell"]]

@@ -132,6 +132,7 @@ def encode_affine(
     8; one warp; the fastest on an H200).
     """
     _check_codec(bits, group_size, axis)
+    C.check_bool("check", check)
     block_rows, num_warps = launch_settings(launch, "encode_affine")
     C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=1 if axis == "token" else 2)
     C.check_kernel_device("x", x)
@@ -322,6 +323,7 @@ def encode_affine_mixed(
     x's last dimension must be contiguous (else it is copied); other strides are used as they are.
     """
     _check_layout(layout)
+    C.check_bool("check", check)
     block_rows, num_warps = launch_settings(launch, "encode_affine_mixed")
     C.check_tensor("x", x, C.FLOAT_DTYPES, ndim_min=2)
     C.check_kernel_device("x", x)

@@ -59,7 +59,7 @@ class AffineCodec(AffineParams):
         g = self._grouped(x.float())
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / self.levels).to(torch.float16)
-        zero = lo.to(torch.float16)
+        zero = torch.where(lo == 0, 0.0, lo).to(torch.float16)  # a minimum of -0.0 is stored as +0.0
         if bool(torch.isinf(scale).any()) or bool(torch.isinf(zero).any()):
             raise ValueError("x has groups whose range or minimum overflows fp16 (|value| up to 65504)")
         C.check_tiny_groups("x", scale, zero, g.abs().amax(-1))

@@ -120,7 +120,7 @@ def _pack_token_rows(
         b_lo = tl.min(b_x, axis=2)  # [BLOCK_ROWS, BLOCK_G]
         b_hi = tl.max(b_x, axis=2)
     b_s16, b_s, b_inv = scale_and_inverse(b_lo, b_hi, LEVELS)
-    b_z16 = b_lo.to(tl.float16)
+    b_z16 = tl.where(b_lo == 0.0, 0.0, b_lo).to(tl.float16)  # +0.0 for a minimum of -0.0, as the reference
     b_z = b_z16.to(tl.float32)
     # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor.
     # Launched with enable_fp_fusion=False: the multiply and the add round separately, as in torch.
@@ -389,7 +389,7 @@ def affine_pack_channel_kernel(
         b_lo = tl.min(b_x, axis=1)  # [BLOCK_CODES, BLOCK_D]
         b_hi = tl.max(b_x, axis=1)
     b_s16, b_s, b_inv = scale_and_inverse(b_lo, b_hi, LEVELS)
-    b_z16 = b_lo.to(tl.float16)
+    b_z16 = tl.where(b_lo == 0.0, 0.0, b_lo).to(tl.float16)  # +0.0 for a minimum of -0.0, as the reference
     b_z = b_z16.to(tl.float32)
     # floor(v) clamped to [0, LEVELS] equals v clamped then truncated: no separate floor.
     # Launched with enable_fp_fusion=False: the multiply and the add round separately, as in torch.

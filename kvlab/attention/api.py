@@ -57,7 +57,6 @@ Reference
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -269,15 +268,6 @@ def _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec, 
     return (batch * num_kv_heads, num_splits), args, constants, dict(num_warps=1, **extra)
 
 
-def _fit_fp16(q32: torch.Tensor):
-    """``(q16, f)``: ``q32 / f`` in fp16 and the power of two ``f`` (1.0 when ``q32`` fits) that keeps it finite."""
-    peak = float(q32.abs().amax()) if q32.numel() else 0.0
-    if not math.isfinite(peak):
-        raise ValueError("q * scale overflows float32 (after the rotation); use a smaller q or scale")
-    f = 2.0 ** max(0, math.ceil(math.log2(peak / 2.0**15))) if peak > 2.0**15 else 1.0
-    return (q32 / f).to(torch.float16).contiguous(), f
-
-
 def decode_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -350,8 +340,7 @@ def decode_attention(
         C.check_finite("q", q)
     if scale is None:
         scale = dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    scale = C.check_scale("scale", scale)
     if mma is not None and not isinstance(mma, bool):
         raise TypeError(f"mma must be a bool or None, got {type(mma).__name__}")
     given = [k for k, v in split_args.items() if v is not None]
@@ -395,13 +384,13 @@ def decode_attention(
     if kind == "mse":
         q_in = rotate_rows(q, t["rot_q"], torch.float16, t["key_scale"])
         if check and not bool(torch.isfinite(q_in).all()):  # q * scale beyond fp16: scaled down, scores scaled back
-            q_in, q_unscale = _fit_fp16(rotate_rows(q, t["rot_q"], torch.float32, t["key_scale"]))
+            q_in, q_unscale = C.fit_fp16(rotate_rows(q, t["rot_q"], torch.float32, t["key_scale"]))
     else:
         q_in = q.float()
         if fast:  # tiles in _affine_tile_order: the query's coordinates permuted to match, the output's put back
             q_in = q_in[..., t["order_q"]]
         q_in = q_in * q_scale
-        q_in, q_unscale = _fit_fp16(q_in) if check else (q_in.to(torch.float16).contiguous(), 1.0)
+        q_in, q_unscale = C.fit_fp16(q_in) if check else (q_in.to(torch.float16).contiguous(), 1.0)
     bias = None
     if centered is not None and centered.rope is not None:
         bias = (rope_mean_scores(q, centered, capacity, position_offset) * q_scale).contiguous()
@@ -534,6 +523,8 @@ def prefill_attention(
     kind = check_codecs(key_codec, value_codec, dim)
     centered, key_codec = split_centered(key_codec, position_offset)
     layout = slot_layout(kind, dim, key_codec, value_codec)
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {type(check).__name__}")
     num_blocks, block_size, num_kv_heads, capacity = check_paged_inputs(q, cache, block_table, seq_lens, layout, True)
     if check:
         C.check_reader(cache, key_codec, value_codec)
@@ -542,8 +533,9 @@ def prefill_attention(
         raise ValueError(f"seq_lens must be >= q_len ({q_len}): the new tokens are the last ones of each cached sequence")
     if scale is None:
         scale = dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    scale = C.check_scale("scale", scale)
+    if batch == 0:
+        return torch.zeros_like(q)
     length = int(seq_lens.max())
     slots = _slot_mapping(block_table, seq_lens, block_size, length).reshape(-1)
     if kind == "mse":

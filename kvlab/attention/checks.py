@@ -25,10 +25,10 @@ def is_centered(codec) -> bool:
 
 
 def split_centered(key_codec, position_offset):
-    """``(centred codec or None, the MSE codec of the keys' codes)``; checks ``position_offset`` for centred keys."""
+    """``(centred codec or None, the MSE codec of the keys' codes)``; checks ``position_offset`` (read by centred keys only)."""
+    C.check_int("position_offset", position_offset, minimum=0)
     if not is_centered(key_codec):
         return None, key_codec
-    C.check_int("position_offset", position_offset, minimum=0)
     return key_codec, key_codec.mse
 
 
@@ -104,6 +104,8 @@ def check_paged_inputs(q, cache, block_table, seq_lens, layout, check: bool):
     C.check_tensor("seq_lens", seq_lens, (torch.int32, torch.int64))
     if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must have shape ({batch},) (one length per sequence), got {tuple(seq_lens.shape)}")
+    if seq_lens.shape[0] > 1 and seq_lens.stride(0) != 1:
+        raise ValueError(f"seq_lens must be contiguous (stride 1), got stride {seq_lens.stride(0)}: pass seq_lens.contiguous()")
     C.check_same_device(q=q, cache=cache, block_table=block_table, seq_lens=seq_lens)
     C.check_kernel_device("cache", cache)
     capacity = block_table.shape[1] * block_size

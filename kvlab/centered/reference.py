@@ -95,6 +95,9 @@ class CenteredMSECodec(CenteredParams):
         self.mean = mean.detach().to("cpu", torch.float32).contiguous()
         self.scale = scale.detach().to("cpu", torch.float32).contiguous()
         self.inv_scale = (1.0 / self.scale).contiguous()  # fp32, once
+        if not bool(torch.isfinite(self.inv_scale).all()):
+            raise ValueError(f"scale must be large enough for 1 / scale to be finite in float32 (about 2.9e-39 or more), got "
+                             f"{float(self.scale.min()):.3g}")
         if rope is not None and (getattr(rope, "dim", None) != dim or not callable(getattr(rope, "apply", None))):
             raise ValueError(f"rope must be None or a kvlab.calibration.RoPE of {dim} channels, got {rope!r}")
         self.rope = rope

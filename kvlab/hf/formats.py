@@ -91,6 +91,8 @@ class KVFormat:
 
     def check(self, num_heads: int, head_dim: int) -> None:
         """Raise ValueError if this format cannot store ``num_heads`` heads of ``head_dim`` elements."""
+        C.check_int("num_heads", num_heads, minimum=1)
+        C.check_int("head_dim", head_dim, minimum=1)
         for name, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
             if isinstance(bits, tuple) and len(bits) != num_heads:
                 raise ValueError(f"{name} has {len(bits)} entries (bits per head) but the model has {num_heads} KV heads")
@@ -122,9 +124,11 @@ class KVFormat:
 
     def key_bits_per_element(self, head_dim: int) -> float:
         """Bits a quantized key element costs, metadata included."""
+        C.check_int("head_dim", head_dim, minimum=1)
         return self._part_bits(self.key_bits, head_dim, self.key_axis == "channel")
 
     def value_bits_per_element(self, head_dim: int) -> float:
+        C.check_int("head_dim", head_dim, minimum=1)
         return self._part_bits(self.value_bits, head_dim, False)
 
     def bits_per_element(self, head_dim: int) -> float:

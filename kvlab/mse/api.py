@@ -483,7 +483,8 @@ def load_mse(
 ) -> torch.Tensor:
     """Decode the ``part`` ("key" or "value") codes of ``slot_mapping``'s slots: ``[num_tokens, num_heads, dim]``.
 
-    Equals ``codec.decode(codes, space)`` of the codes ``load_slots`` returns, cast to ``out_dtype``
+    Equals ``codec.decode(codes, space)`` of the codes ``load_slots`` returns, cast to ``out_dtype`` (in model
+    space up to the order of the matrix product's sums: beyond dim 128 a float32 result may differ by about 1e-6)
     (``space="rotated"``: ``y = x @ R`` coordinates, for attention in rotated space; ``"model"``:
     times ``R.T``, in the kernel as an fp16 product with fp32 accumulation for 16-bit outputs and dims
     of 9 to 128, else as one batched fp32 GEMM after the kernel). Rows whose slot is

@@ -66,6 +66,7 @@ def prepare(x: torch.Tensor, codec: TransformCodec, cache: torch.Tensor, slot_ma
             check: bool = True, name: str = "x") -> torch.Tensor:
     """The checks of ``store`` and its first matrix product: ``y [T, groups, dim]`` float32, ready for
     ``kvlab.transform.triton.store_transform`` (a caller storing two parts checks both before writing either)."""
+    C.check_bool("check", check)
     num_slots = _num_slots(cache, codec)
     C.check_tensor(name, x, C.FLOAT_DTYPES)
     if x.dim() != 2 or x.shape[1] != codec.groups * codec.dim:
@@ -87,7 +88,7 @@ def store(x: torch.Tensor, codec: TransformCodec, cache: torch.Tensor, slot_mapp
     """Encode ``x [T, groups * dim]`` (float) into the rows ``slot_mapping [T]`` of ``cache``.
 
     With ``check`` (one host sync): finite values, rows in range, every gain within fp16's range at both
-    ends; a failing call writes nothing."""
+    ends; a failing call writes nothing. Without it, a row outside the cache is not written."""
     y = prepare(x, codec, cache, slot_mapping, check=check)
     K.store_transform(y, codec, cache, slot_mapping)
 
@@ -95,7 +96,9 @@ def store(x: torch.Tensor, codec: TransformCodec, cache: torch.Tensor, slot_mapp
 def load(cache: torch.Tensor, codec: TransformCodec, slots: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """The decoded vectors ``[N, groups * dim]`` float32 of the rows ``slots [N]`` of ``cache``.
 
-    With ``check`` (one host sync): every slot a row of the cache."""
+    With ``check`` (one host sync): every slot a row of the cache; without it, a slot outside the cache reads as a
+    transformed vector of zeros (the codec's mean)."""
+    C.check_bool("check", check)
     num_slots = _num_slots(cache, codec)
     _check_slots("slots", slots, None, num_slots, cache.device, False, check)
     return untransform(codec, K.load_transform(cache, codec, slots))

@@ -120,7 +120,7 @@ def _transform_decode_kernel(
     # outputs per split: acc [B, S, H, GP, VWP], row max and sum [B, S, H, GP]
     acc_ptr, m_ptr, l_ptr,
     # sizes
-    KROW, VROW, MAX_BLOCKS, NSPLIT, SPLIT, scale,
+    KROW, VROW, MAX_BLOCKS, NUM_BLOCKS, NSPLIT, SPLIT, scale,
     # settings
     H: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, VW: tl.constexpr,
     VWP: tl.constexpr, BT: tl.constexpr, PAGE: tl.constexpr, PRE_ROPE: tl.constexpr, KGAIN: tl.constexpr,
@@ -134,7 +134,7 @@ def _transform_decode_kernel(
     b_kc = tl.load(klo_ptr + i_h) + o_kw  # component indices in the key row
     b_vc = tl.load(vlo_ptr + i_h) + o_vw
     m_kw, m_vw = o_kw < KW, o_vw < VW
-    n = tl.load(lens_ptr + i_b)
+    n = tl.minimum(tl.load(lens_ptr + i_b), MAX_BLOCKS * PAGE)  # unchecked lengths stay within the table
     start = i_s * SPLIT
     stop = tl.minimum(start + SPLIT, n)
     i_bh = i_b * H + i_h
@@ -154,6 +154,7 @@ def _transform_decode_kernel(
         o_t = start + it * BT + tl.arange(0, BT)  # [BT]
         m_t = o_t < stop
         b_blk = tl.load(table_ptr + i_b * MAX_BLOCKS + o_t // PAGE, mask=m_t, other=0).to(tl.int64)
+        b_blk = tl.minimum(tl.maximum(b_blk, 0), NUM_BLOCKS - 1)  # unchecked entries stay within the caches
         b_slot = b_blk * PAGE + o_t % PAGE
         b_yk = _unpack_tile(kc_ptr, b_slot, m_t, KROW, kbyte_ptr, kshift_ptr, kmask_ptr, kgain_ptr, kbook_ptr,
                             kbooks_ptr, b_kc, m_kw, KGAIN).to(tl.float16)  # [BT, KWP]
@@ -165,7 +166,7 @@ def _transform_decode_kernel(
             b_k = b_k * b_cos + b_kr * b_sin  # RoPE at the tokens' positions
             b_s = tl.dot(b_q, tl.trans(b_k.to(tl.float16))) * scale  # [GP, BT]
         else:
-            b_s = tl.dot(b_qt, tl.trans(b_yk)) + b_qm[:, None]  # [GP, BT], scale folded in
+            b_s = tl.dot(b_qt, tl.trans(b_yk)) * scale + b_qm[:, None]  # [GP, BT]; scale: qt's fp16 unscale
         b_s = tl.where(m_t[None, :], b_s, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_s, 1))
         b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # a tile with no token yet: nothing to weigh
@@ -220,7 +221,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``rope``: a ``kvlab.RoPE`` when the keys were coded before RoPE (token ``t`` at position ``first_position +
     t``). ``splits``: parallel splits of the context (default: enough to fill a GPU). ``check`` (one host sync):
     ``q`` finite, every ``seq_lens`` in ``[1, max_blocks * block_size]`` and the block-table entries it uses
-    blocks of the caches."""
+    blocks of the caches, and ``q`` scaled by a power of two where its fp16 copy would overflow. Without it, lengths
+    and entries outside the table and the caches are clamped into them: wrong input gives wrong numbers, never a
+    read outside the tensors."""
     for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
         if not isinstance(codec, TransformCodec):
             raise TypeError(f"{name} must be a kvlab.transform.TransformCodec, got {type(codec).__name__}")
@@ -251,8 +254,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"shapes {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
     C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
     C.check_kernel_device("q", q)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    scale = C.check_scale("scale", scale)
     C.check_int("first_position", first_position, minimum=0)
     if splits is not None:
         C.check_int("splits", splits, minimum=1)
@@ -278,6 +280,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             raise ValueError(f"block_table's entries for the first seq_lens tokens must be blocks in "
                              f"[0, {k_cache.shape[0]}), got values from {int(entries.min())} to {int(entries.max())}")
     group = q_heads // heads
+    if batch == 0:
+        return torch.zeros(0, q_heads, dim, dtype=torch.float32, device=device)
     gp = max(MIN_DOT, triton.next_power_of_2(group))
     kt, vt = _unpack_tables(key_codec, width, device), _unpack_tables(value_codec, width, device)
     kh, vh = _head_tables(key_codec, heads, dim, device), _head_tables(value_codec, heads, dim, device)
@@ -292,14 +296,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dummy = torch.zeros(1, device=device)
     if rope is None:  # scores in the transformed space: qt = q inverse_h^T (scaled), qm = q . mean_h
         qt = torch.zeros(batch, heads, gp, kwp, device=device, dtype=torch.float16)
-        qt[:, :, :group] = (torch.einsum("bhgd,hwd->bhgw", qf, kh["inverse"]) * scale).half()
+        qt32 = torch.einsum("bhgd,hwd->bhgw", qf, kh["inverse"]) * scale
+        qt[:, :, :group], unscale = C.fit_fp16(qt32) if check else (qt32.half(), 1.0)  # fp16 scores stay finite
         qm = torch.zeros(batch, heads, gp, device=device)
         qm[:, :, :group] = torch.einsum("bhgd,hd->bhg", qf, kh["mean"]) * scale
         qh = inv = invr = mean = meanr = cos = sin = dummy
     else:
         qt = qm = dummy
         qh = torch.zeros(batch, heads, gp, dim, device=device, dtype=torch.float16)
-        qh[:, :, :group] = qf.half()
+        qh[:, :, :group], unscale = C.fit_fp16(qf) if check else (qf.half(), 1.0)
+        unscale *= scale
         rot = lambda x: torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), -1)  # rotate-half of the head's columns
         inv, invr = kh["inverse"].half(), rot(kh["inverse"]).half()
         mean, meanr = kh["mean"], rot(kh["mean"]).contiguous()
@@ -312,7 +318,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kt["byte"], kt["shift"], kt["mask"], kt["gain"], kt["book"], kt["books"],
         vt["byte"], vt["shift"], vt["mask"], vt["gain"], vt["book"], vt["books"],
         kh["first"], vh["first"], qt, qm, qh, inv, invr, mean, meanr, cos, sin, acc, m, lsum,
-        key_codec.row_bytes, value_codec.row_bytes, block_table.shape[1], splits, split_len, float(scale),
+        key_codec.row_bytes, value_codec.row_bytes, block_table.shape[1], k_cache.shape[0], splits, split_len, unscale,
         H=heads, D=dim, GP=gp, KW=kh["width"], KWP=kwp, VW=vh["width"], VWP=vwp, BT=block, PAGE=page,
         PRE_ROPE=rope is not None, KGAIN=key_codec.gain, VGAIN=value_codec.gain, STEPS=split_len // block,
         num_warps=8 if max(kwp, vwp) >= 128 else 4, num_stages=1)

@@ -104,9 +104,9 @@ def _store_kernel(
     idx_ptr, rel_ptr,  # [G, NB, NP] int32: the components overlapping each code byte (-1: none), their first bit - 8 j
     goff_ptr, nbytes_ptr,  # [G] int32: where a group starts in the row, its code bytes
     slot_ptr,  # [T] int32 or int64: the row of each token (-1: padding, not written)
-    cache_ptr,  # [slots, ROW] uint8 (out)
+    cache_ptr,  # [S, ROW] uint8 (out)
     # sizes
-    T, G, D, NB, NBND, ROW,
+    T, S, G, D, NB, NBND, ROW,
     # settings
     NP: tl.constexpr, MAX_BITS: tl.constexpr, GAIN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     BNB: tl.constexpr,
@@ -116,7 +116,7 @@ def _store_kernel(
     o_d = tl.arange(0, BD)  # [BD]
     o_j = tl.arange(0, BNB)  # [BNB]
     b_s = tl.load(slot_ptr + o_t, mask=o_t < T, other=-1).to(tl.int64)
-    m_t = (o_t < T) & (b_s >= 0)
+    m_t = (o_t < T) & (b_s >= 0) & (b_s < S)  # a row outside the cache (unchecked) is not written
     p_y = y_ptr + (o_t * G + i_g) * D  # [BT]: the group's vector of each token
     # the gain: fp64 root mean square, rounded to fp16
     if GAIN:
@@ -157,7 +157,7 @@ def store_transform(y: torch.Tensor, codec: TransformCodec, cache: torch.Tensor,
     """Quantize and pack ``y [T, groups, dim]`` float32 into the rows ``slot_mapping [T]`` of ``cache``.
 
     ``cache`` is uint8 ``[..., row_bytes]`` (a paged cache ``[num_blocks, block_size, row_bytes]``), contiguous;
-    slot ``-1``: not written. Checks types and shapes without a host sync; ``kvlab.transform.api.store`` also
+    slot ``-1`` (padding) or any row outside the cache: not written. Checks types and shapes without a host sync; ``kvlab.transform.api.store`` also
     checks the values (finite, slots in range, gains within fp16)."""
     check_cache(cache, codec)
     C.check_tensor("y", y, (torch.float32,))
@@ -177,7 +177,7 @@ def store_transform(y: torch.Tensor, codec: TransformCodec, cache: torch.Tensor,
     _store_kernel[(triton.cdiv(tokens, bt), codec.groups)](
         y.contiguous(), t["bounds"], t["part_idx"], t["part_rel"], t["group_offsets"], t["code_bytes"],
         slot_mapping.contiguous(), cache,
-        tokens, codec.groups, codec.dim, t["max_code_bytes"], t["bound_stride"], codec.row_bytes,
+        tokens, cache.numel() // codec.row_bytes, codec.groups, codec.dim, t["max_code_bytes"], t["bound_stride"], codec.row_bytes,
         NP=t["parts"], MAX_BITS=max(codec.max_bits, 1), GAIN=codec.gain, BT=bt, BD=bd, BNB=bnb)
 
 
@@ -187,23 +187,24 @@ def store_transform(y: torch.Tensor, codec: TransformCodec, cache: torch.Tensor,
 @triton.jit
 def _load_kernel(
     # pointers
-    cache_ptr,  # [slots, ROW] uint8
+    cache_ptr,  # [S, ROW] uint8
     slot_ptr,  # [N] int32 or int64
     books_ptr,  # [G, D, L] float32
     bits_ptr, off_ptr,  # [G, D] int32: bit width and bit offset in the group's stream
     goff_ptr, nbytes_ptr,  # [G] int32: where a group starts in the row, its code bytes
     out_ptr,  # [N, G, D] float32 (out)
     # sizes
-    N, G, D, L, ROW,
+    N, S, G, D, L, ROW,
     # settings
     GAIN: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     i_t, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_t = i_t * BT + tl.arange(0, BT)  # [BT]
     o_d = tl.arange(0, BD)  # [BD]
-    m_t, m_d = o_t < N, o_d < D
+    m_n, m_d = o_t < N, o_d < D
+    b_s = tl.load(slot_ptr + o_t, mask=m_n, other=-1).to(tl.int64)
+    m_t = m_n & (b_s >= 0) & (b_s < S)  # a row outside the cache (unchecked) reads as zeros
     m = m_t[:, None] & m_d[None, :]
-    b_s = tl.load(slot_ptr + o_t, mask=m_t, other=0).to(tl.int64)
     b_goff = tl.load(goff_ptr + i_g).to(tl.int64)
     b_bits = tl.load(bits_ptr + i_g * D + o_d, mask=m_d, other=0)  # [BD]
     b_off = tl.load(off_ptr + i_g * D + o_d, mask=m_d, other=0)
@@ -219,14 +220,14 @@ def _load_kernel(
         b_h = b_lo | (tl.load(p_gain + 1, mask=m_t, other=0).to(tl.int32) << 8)  # the fp16 gain's bits
         b_gain = b_h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         b_v = b_v * b_gain[:, None]
-    tl.store(out_ptr + (o_t[:, None] * G + i_g) * D + o_d[None, :], b_v, mask=m)
+    tl.store(out_ptr + (o_t[:, None] * G + i_g) * D + o_d[None, :], b_v, mask=m_n[:, None] & m_d[None, :])
 
 
 def load_transform(cache: torch.Tensor, codec: TransformCodec, slots: torch.Tensor) -> torch.Tensor:
     """``y_hat [*slots.shape, groups, dim]`` float32: the dequantized rows ``slots`` (any shape) of ``cache``.
 
-    Checks types and shapes without a host sync; ``kvlab.transform.api.load`` also checks that the slots are
-    rows of the cache."""
+    A slot outside the cache reads as zeros. Checks types and shapes without a host sync;
+    ``kvlab.transform.api.load`` also checks that the slots are rows of the cache."""
     check_cache(cache, codec)
     C.check_tensor("slots", slots, (torch.int32, torch.int64))
     C.check_same_device(cache=cache, slots=slots)
@@ -239,5 +240,5 @@ def load_transform(cache: torch.Tensor, codec: TransformCodec, slots: torch.Tens
         bt = max(1, min(BLOCK_TOKENS, _block_elements(cache.device) // bd))
         _load_kernel[(triton.cdiv(n, bt), codec.groups)](
             cache, flat, t["books"], t["bits"], t["offsets"], t["group_offsets"], t["code_bytes"], out,
-            n, codec.groups, codec.dim, t["levels"], codec.row_bytes, GAIN=codec.gain, BT=bt, BD=bd)
+            n, cache.numel() // codec.row_bytes, codec.groups, codec.dim, t["levels"], codec.row_bytes, GAIN=codec.gain, BT=bt, BD=bd)
     return out.view(*slots.shape, codec.groups, codec.dim)

@@ -416,3 +416,11 @@ def test_exports():
         assert getattr(kvlab, name) is getattr(affine, name)
     for name in ("MixedAffineLayout", "encode_affine", "encode_affine_mixed", "decode_affine", "decode_affine_mixed", "store_affine"):
         assert getattr(kvlab.affine, name) is getattr(affine if name != "store_affine" else kvlab.affine.paged, name)
+
+
+def test_signed_zeros_give_the_reference_bytes(device):
+    """A group of +0.0 and -0.0 stores the zero point +0.0 in the kernel and the reference alike."""
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 0  # signed zeros
+    x[0] = -0.0
+    for axis in ("token", "channel"):
+        assert torch.equal(kvlab.encode_affine(x.to(device), 4, 32, axis).cpu(), kvlab.AffineCodec(4, 32, axis).encode(x))

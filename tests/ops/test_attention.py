@@ -612,6 +612,31 @@ def test_bad_prefill_inputs(good):
         prefill_attention(q.half(), cache, block_table, seq_lens, kc, vc)
     with pytest.raises(ValueError, match="seq_lens must be >= q_len"):
         prefill_attention(q4.expand(-1, 6, -1, -1).contiguous(), cache, block_table, seq_lens, kc, vc)
+    with pytest.raises(TypeError, match="check must be a bool"):
+        prefill_attention(q4, cache, block_table, seq_lens, kc, vc, check="yes")
+    with pytest.raises(TypeError, match="position_offset must be an int"):
+        prefill_attention(q4, cache, block_table, seq_lens, kc, vc, position_offset="a")
+    empty = prefill_attention(q4[:0], cache, block_table[:0], seq_lens[:0], kc, vc)
+    assert empty.shape == (0, *q4.shape[1:])
+
+
+def test_strided_lengths_are_refused_and_numpy_scales_taken(good):
+    """The kernels read seq_lens with stride 1: a strided view is refused, not read as another length."""
+    import numpy as np
+
+    q, cache, block_table, seq_lens, kc, vc = good
+    q = q.half()
+    every_other = torch.stack([seq_lens, seq_lens * 0], 1).reshape(-1)[::2]  # the same values, stride 2
+    with pytest.raises(ValueError, match=r"seq_lens must be contiguous \(stride 1\), got stride 2"):
+        decode_attention(q, cache, block_table, every_other, kc, vc)
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        prefill_attention(q[:, None], cache, block_table, every_other, kc, vc)
+    out = decode_attention(q, cache, block_table, every_other.contiguous(), kc, vc, scale=np.float32(0.125))
+    assert torch.equal(out, decode_attention(q, cache, block_table, seq_lens, kc, vc, scale=0.125))
+    with pytest.raises(TypeError, match="scale must be a positive finite float, got str"):
+        decode_attention(q, cache, block_table, seq_lens, kc, vc, scale="0.1")
+    with pytest.raises(TypeError, match="position_offset must be an int"):
+        decode_attention(q, cache, block_table, seq_lens, kc, vc, position_offset=None)
 
 
 def test_bad_centered_inputs(device):

@@ -389,6 +389,7 @@ BAD = [
     ("load positions missing", lambda: _bad_load(positions=None), TypeError, "positions"),
     ("encode positions missing", lambda: make_codecs(2, 64, 3, 3, "haar", rope=True)[0].encode(torch.zeros(5, 2, 64)), TypeError, "positions"),
     ("encode positions shape", lambda: make_codecs(2, 64, 3, 3, "haar", rope=True)[0].encode(torch.zeros(5, 2, 64), torch.zeros(4, dtype=torch.int64)), ValueError, "positions"),
+    ("codec tiny scale", lambda: CenteredMSECodec(64, 3, torch.zeros(2, 64), torch.full((2, 64), 1e-39)), ValueError, "1 / scale to be finite"),
     ("codec rope dim", lambda: CenteredMSECodec(64, 3, torch.zeros(2, 64), torch.ones(2, 64), rope=rope_of(32)), ValueError, "rope"),
     ("stats rope dim", lambda: ChannelStats(torch.zeros(1, 2, 64), torch.ones(1, 2, 64), 1, rope_of(32)), ValueError, "rope"),
     ("rope dtype", lambda: RoPE(torch.ones(32)), TypeError, "inv_freq"),

@@ -221,3 +221,24 @@ def test_kernel_launchers_check_types_and_shapes(device):
     with pytest.raises(TypeError, match="slots must have dtype"):
         load_transform(cache, codec, torch.zeros(3, device=device))
     assert torch.equal(cache, torch.zeros_like(cache))
+
+
+def test_unchecked_rows_outside_the_cache_are_neither_written_nor_read(device):
+    """check=False skips the host sync: a row outside the cache is not written, and reads as zeros (never memory
+    past the cache, here a neighbouring layer of one buffer)."""
+    codec = random_codec(2, 16, "0-4", True, seed=2).to(device)
+    layers = torch.zeros(2, 3, 4, codec.row_bytes, dtype=torch.uint8, device=device)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(3)).to(device)
+    slots = torch.tensor([0, 1, 2, 12], device=device)  # 12: past the 12 rows of layer 0
+    api.store(x, codec, layers[0], slots, check=False)
+    assert not layers[1].any()
+    assert torch.equal(layers[0].view(-1, codec.row_bytes)[:3].cpu(), R.encode(codec, x[:3]).cpu())
+    layers[1].fill_(255)
+    y = load_transform(layers[0], codec, torch.tensor([2, 12, -1, 10**9], device=device)).cpu()
+    assert torch.equal(y[1:], torch.zeros_like(y[1:]))
+    assert torch.equal(y[0], load_transform(layers[0], codec, torch.tensor([2], device=device)).cpu()[0])
+    for bad in (None, "yes", 1):
+        with pytest.raises(TypeError, match="check must be a bool"):
+            api.store(x, codec, layers[0], slots, check=bad)
+        with pytest.raises(TypeError, match="check must be a bool"):
+            api.load(layers[0], codec, slots, check=bad)

@@ -117,3 +117,43 @@ def test_bad_arguments(case, error, match, device):
     args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     with pytest.raises(error, match=match):
         decode_attention(**args, **kwargs)
+
+
+def _one_sequence(device, n=20, seed=4):
+    kc, vc = codec(64, 1, 1), codec(64, 1, 2)
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.zeros(2, 16, kc.row_bytes, dtype=torch.uint8)
+    v_cache = torch.zeros(2, 16, vc.row_bytes, dtype=torch.uint8)
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    t = torch.arange(n)
+    slots = table[0, t // 16].long() * 16 + t % 16
+    R.write_rows(k_cache.view(-1, kc.row_bytes), slots, R.encode(kc, torch.randn(n, 64, generator=g)))
+    R.write_rows(v_cache.view(-1, vc.row_bytes), slots, R.encode(vc, torch.randn(n, 64, generator=g)))
+    return kc, vc, k_cache, v_cache, table, torch.tensor([n], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_queries_beyond_fp16_are_scaled_into_its_range(pre_rope, device):
+    """q * scale past 65504 would make the fp16 copy of the queries infinite: the call scales it by a power of two."""
+    kc, vc, k_cache, v_cache, table, lens = _one_sequence(device)
+    q = torch.randn(1, 2, 32, generator=torch.Generator().manual_seed(5)) * 4e4
+    rope = RoPE(1e4 ** -(torch.arange(0, 32, 2, dtype=torch.float64) / 32)) if pre_rope else None
+    ref = R.decode_attention(q, k_cache, v_cache, table, lens, kc, vc, scale=4.0, rope=rope)
+    on = lambda *ts: [t.to(device) for t in ts]
+    out = decode_attention(*on(q, k_cache, v_cache, table, lens), kc.to(device), vc.to(device), scale=4.0,
+                           rope=rope).cpu()
+    assert torch.isfinite(out).all()
+    assert (out - ref).norm() / ref.norm() < 5e-3
+
+
+def test_an_empty_batch_and_unchecked_entries(device):
+    kc, vc, k_cache, v_cache, table, lens = _one_sequence(device)
+    on = lambda *ts: [t.to(device) for t in ts]
+    empty = decode_attention(*on(torch.zeros(0, 2, 32), k_cache, v_cache, table[:0], lens[:0]), kc.to(device),
+                             vc.to(device), scale=1.0)
+    assert empty.shape == (0, 2, 32)
+    # check=False: entries and lengths outside the table and caches are clamped into them, never read past them
+    bad_table, long_lens = torch.tensor([[1, 10**7]], dtype=torch.int32), torch.tensor([10**6], dtype=torch.int32)
+    out = decode_attention(*on(torch.randn(1, 2, 32), k_cache, v_cache, bad_table, long_lens), kc.to(device),
+                           vc.to(device), scale=1.0, check=False)
+    assert out.shape == (1, 2, 32) and torch.isfinite(out).all()
