@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -269,6 +268,14 @@ def diagnose(nb: dict | None) -> str:
     return diagnose_notebook(nb) or "no cell was executed"
 
 
+def hide_injected_parameters(nb: dict) -> None:
+    """Tag the cell papermill adds for ``-p`` parameters ``remove-cell``: the page shows what it ran, not how it was called."""
+    for cell in nb["cells"]:
+        tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+        if "injected-parameters" in tags and "remove-cell" not in tags:
+            tags.append("remove-cell")
+
+
 def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
     src = SOURCES / f"{name}.ipynb"
     dst = EXECUTED / f"{name}.ipynb"
@@ -311,7 +318,9 @@ def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
             f"  last lines of the log:\n{tail}"
         )
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(tmp, dst)
+    hide_injected_parameters(nb)
+    dst.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    tmp.unlink()
     if RECORD is not None:
         RECORD.add(name, "ok", elapsed)
     log(f"{src.relative_to(ROOT)} -> {dst.relative_to(ROOT)} ok ({elapsed:.1f}s)")
