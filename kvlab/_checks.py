@@ -143,6 +143,16 @@ def check_token_id(name: str, token, vocab: int | None) -> None:
         raise ValueError(f"{name} must be a token id in [0, {vocab}) (the model's vocabulary), got {token}")
 
 
+def check_device(name: str, device) -> torch.device:
+    """A device this machine's torch can allocate on (``None``: the CPU)."""
+    try:
+        device = torch.device("cpu" if device is None else device)
+        torch.empty(0, device=device)
+    except (RuntimeError, TypeError, AssertionError) as exc:
+        raise ValueError(f"{name} must be a torch device this machine has, got {device!r} ({exc})") from None
+    return device
+
+
 def check_backend_device(backend: str, device: torch.device) -> None:
     """``backend="triton"`` needs a CUDA device, or Triton's interpreter (``TRITON_INTERPRET=1``) elsewhere."""
     if backend == "triton" and device.type != "cuda" and not interpreted():

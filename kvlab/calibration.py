@@ -79,6 +79,13 @@ class RoPE:
         for module in model.modules():
             inv_freq = getattr(module, "inv_freq", None)
             if isinstance(inv_freq, torch.Tensor):
+                config = getattr(model, "config", None)
+                head_dim = getattr(config, "head_dim", None) or (
+                    config.hidden_size // config.num_attention_heads if hasattr(config, "num_attention_heads") else None)
+                if head_dim is not None and 2 * inv_freq.numel() != head_dim:
+                    raise ValueError(f"the model turns {2 * inv_freq.numel()} of its {head_dim} key channels with RoPE "
+                                     f"(a partial rotary embedding), which kvlab.calibration.RoPE does not model; use "
+                                     f"mean='constant' (keys='post_rope' for the transform codec)")
                 return cls(inv_freq.detach().to("cpu", torch.float64), float(getattr(module, "attention_scaling", 1.0)))
         kinds = sorted({n[: -len("_inv_freq")] for m in model.modules() for n, _ in m.named_buffers(recurse=False)
                         if n.endswith("_inv_freq") and not n.endswith("original_inv_freq")})

@@ -128,9 +128,12 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
     ap.add_argument("--out", default=None, help="default: results/formats_perplexity.json, "
                     "results/formats_perplexity_gemma3_270m.json with --model gemma3-270m")
-    ap.add_argument("--windows", type=int, default=(EVAL_TOKENS - WINDOW) // STRIDE + 1,
-                    help="windows per text (default: all 7 of the protocol)")
+    most = (EVAL_TOKENS - WINDOW) // STRIDE + 1
+    ap.add_argument("--windows", type=int, default=most, help=f"windows per text, 1 to {most} (default: all {most} "
+                    "of the protocol)")
     args = ap.parse_args()
+    if not 1 <= args.windows <= most:
+        ap.error(f"--windows must be in [1, {most}] (the protocol's windows per text), got {args.windows}")
     import transformers
     import triton
     from transformers.utils import logging as transformers_logging

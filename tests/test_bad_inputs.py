@@ -978,6 +978,13 @@ def test_perplexity_bad_inputs_are_named(tiny_model, ids, options, error, match)
         kvlab.perplexity(tiny_model, ids, **options)
 
 
+def test_perplexity_and_load_model_name_a_bad_model_or_device():
+    with pytest.raises(TypeError, match="model must be a transformers causal LM"):
+        kvlab.perplexity(None, torch.ones(40, dtype=torch.long), window=16, stride=8)
+    with pytest.raises(ValueError, match="device must be a torch device this machine has"):
+        kvlab.load_model(device="tpu")
+
+
 def test_perplexity_with_a_simulated_cache_of_too_few_layers_names_layer_idx(tiny_model):
     from kvlab.study.simulated import SimulatedCache, mse_part
 

@@ -437,6 +437,9 @@ def test_more_bad_arguments():
         (dict(cuda_graph=1), TypeError, "cuda_graph must be a bool or None"),
         (dict(model=None), TypeError, "model must be a transformers causal LM"),
         (dict(model=tiny_model(4, 2, 64, dtype=torch.float64)), TypeError, r"model must run in float16, bfloat16 or float32"),
+        (dict(temperature=1e-40, do_sample=True), ValueError, "temperature must be a finite number >= 1e-3"),
+        (dict(key_stats=object()), ValueError, r"key_stats is for KVFormat\('centered'"),
+        (dict(transform=object()), ValueError, r"transform is for KVFormat\('transform'\)"),
         (dict(fmt=KVFormat("transform")), ValueError, r"kvlab.generate\(\.\.\., transform="),
         (dict(fmt=KVFormat("centered", 4, 4)), ValueError, r"kvlab.generate\(\.\.\., key_stats="),
     ]:

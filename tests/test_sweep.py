@@ -301,3 +301,20 @@ def test_dask_executor_asks_each_run_for_one_gpu(tmp_path, capsys):
     assert rc == 2
     assert "no worker declares the resource GPU" in capsys.readouterr().err
     assert not (tmp_path / "out2").exists()
+
+
+def test_written_files_keep_the_permissions_of_what_they_replace(tmp_path):
+    """The sweep writes through a private temporary file; the file it leaves has the umask's permissions, or those of
+    the file it replaced."""
+    import os
+
+    from kvlab.sweep import api as SA
+
+    row = {"a": 1, "status": "ok", "duration_s": 0.1, "error": "", "notebook": ""}
+    table = tmp_path / "results.csv"
+    SA._write_csv(table, ["a", *SA.STATUS_COLUMNS], [row], ["a"])
+    assert table.stat().st_mode & 0o777 == 0o666 & ~SA._UMASK
+    table.chmod(0o640)
+    SA._write_csv(table, ["a", *SA.STATUS_COLUMNS], [row], ["a"])
+    assert table.stat().st_mode & 0o777 == 0o640
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]

@@ -438,6 +438,7 @@ class KVCache(DecodeViewCache):
     * ``keep_first`` / ``keep_last``: the first / last layers stored unquantized (fp16).
     * ``residual``: the most recent tokens of every layer stay unquantized (KIVI's window).
     * ``sink``: the first tokens of every sequence stay unquantized (the attention sink).
+      Both default to 0, and with ``KVFormat("transform")`` to what ``transform`` was calibrated for.
     * ``prefill``: ``"exact"`` (a layer's first call returns its inputs as given) or ``"stored"``.
     * ``dtype``: dtype of the unquantized parts (``float16``; ``None``: the model's dtype).
     * ``backend``: ``"auto"`` (Triton on CUDA, the pure-torch reference elsewhere), ``"triton"``,
@@ -453,7 +454,8 @@ class KVCache(DecodeViewCache):
 
     def __init__(self, fmt: KVFormat | Sequence[KVFormat] = KVFormat("fp16"), *, config=None,
                  num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 keep_first: int = 0, keep_last: int = 0, residual: int = 0, sink: int = 0, prefill: str = "exact",
+                 keep_first: int = 0, keep_last: int = 0, residual: int | None = None, sink: int | None = None,
+                 prefill: str = "exact",
                  dtype: torch.dtype | None = torch.float16, backend: str = "auto", block_size: int = 16,
                  key_stats: ChannelStats | None = None, transform=None):
         if config is not None:
@@ -480,6 +482,13 @@ class KVCache(DecodeViewCache):
         C.check_int("keep_last", keep_last, minimum=0)
         if keep_first + keep_last > num_layers:
             raise ValueError(f"keep_first + keep_last ({keep_first} + {keep_last}) exceeds the model's {num_layers} layers")
+        uses_transform = any(f.codec == "transform" for f in formats)
+        if transform is not None and not uses_transform:
+            raise ValueError("transform is for KVFormat('transform') layers; fmt has none")
+        if uses_transform and transform is not None:  # by default the tokens the codecs were calibrated to keep
+            sink = getattr(transform, "sink", 0) if sink is None else sink
+            residual = getattr(transform, "residual", 0) if residual is None else residual
+        residual, sink = (0 if residual is None else residual), (0 if sink is None else sink)
         C.check_int("residual", residual, minimum=0)
         C.check_int("sink", sink, minimum=0)
         C.check_choice("prefill", prefill, PREFILL)

@@ -63,8 +63,10 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     (default: on a CUDA device with the fused path) replays each decode step of the whole model from
     one CUDA graph. Greedy by default; ``do_sample`` samples from ``softmax(logits / temperature)``.
     After ``eos_token_id`` a sequence's tokens are ``pad_token_id`` (default: the EOS id).
-    ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``); its
-    decode steps replay from a CUDA graph only when ``cuda_graph=True`` is asked for. ``KVFormat("centered", ...)``
+    ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``); codecs
+    calibrated to keep tokens in 16 bit (``calibrate``'s default ``sink=1, residual=16``) generate through
+    ``KVCache``, which keeps them; codecs without such tokens through the fused decode, whose steps replay from a
+    CUDA graph only when ``cuda_graph=True`` is asked for. ``KVFormat("centered", ...)``
     needs ``key_stats`` (``kvlab.calibration.calibrate_keys``). Models with sliding-window layers generate through
     ``KVCache``. ``compile=True`` (with the
     CUDA graph) runs the decoder layers compiled by ``torch.compile`` around kvlab's attention (``compiled_layers``):
@@ -76,8 +78,8 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     C.check_int("max_new_tokens", max_new_tokens, minimum=1)
     if not isinstance(fmt, KVFormat):
         raise TypeError(f"fmt must be a kvlab.KVFormat, got {type(fmt).__name__}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 1e-3 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 1e-3 (greedy: do_sample=False), got {temperature!r}")
     batch, prompt = input_ids.shape
     device = input_ids.device
     if generator is not None:
@@ -125,10 +127,18 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     if fmt.codec == "transform" and transform is None:
         raise ValueError("KVFormat('transform') needs the calibrated codecs: kvlab.generate(..., transform="
                          "kvlab.transform.calibration.calibrate(model, calibration_ids))")
+    if key_stats is not None and fmt.codec != "centered":
+        raise ValueError(f"key_stats is for KVFormat('centered', ...), not {fmt!r}")
+    if transform is not None and fmt.codec != "transform":
+        raise ValueError(f"transform is for KVFormat('transform'), not {fmt!r}")
     if fmt.codec == "centered" and key_stats is None:
         raise ValueError("KVFormat('centered', ...) needs the keys' channel statistics: kvlab.generate(..., "
                          "key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
     why = fused_support(fmt, head_dim)
+    held = (getattr(transform, "sink", 0), getattr(transform, "residual", 0)) if fmt.codec == "transform" else (0, 0)
+    if why is None and any(held):
+        why = (f"the transform codecs keep the first {held[0]} and the last {held[1]} tokens in 16 bit, as calibrated; "
+               f"the fused decode reads codes only")
     if why is None and "sliding_attention" in layer_types(config):
         why = "the model has sliding-window layers; the fused decode attends to every stored token"
     total = prompt + max_new_tokens

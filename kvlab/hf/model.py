@@ -236,6 +236,7 @@ def load_model(name: str = DEFAULT_MODEL, *, folder: str | os.PathLike | None = 
         raise TypeError(f"dtype must be one of (float16, bfloat16, float32), got {dtype}")
     if not isinstance(refresh, bool):
         raise TypeError(f"refresh must be a bool, got {type(refresh).__name__}")
+    device = C.check_device("device", device)
     source = _source(name)
     transformers = _transformers()
     gguf = gguf_path(name)
@@ -385,6 +386,9 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
     """
     from transformers import Cache, DynamicCache
 
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers causal LM (a torch.nn.Module with a config), "
+                        f"got {type(model).__name__}")
     C.check_tensor("ids", ids, (torch.int32, torch.int64))
     if ids.dim() != 1:
         raise ValueError(f"ids must be 1-d token ids, got shape {tuple(ids.shape)}")

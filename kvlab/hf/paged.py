@@ -392,11 +392,7 @@ class PagedKVCache(Cache):
         C.check_int("max_length", max_length, minimum=1)
         C.check_int("block_size", block_size, minimum=1)
         C.check_choice("backend", backend, BACKENDS)
-        try:
-            device = torch.device("cpu" if device is None else device)
-            torch.empty(0, device=device)  # a device this torch can allocate on
-        except (RuntimeError, TypeError, AssertionError) as exc:
-            raise ValueError(f"device must be a torch device this machine has, got {device!r} ({exc})") from None
+        device = C.check_device("device", device)
         self.fmt, self.num_kv_heads, self.head_dim, self.check_steps = fmt, num_kv_heads, head_dim, check_steps
         self.batch, self.max_length, self.block_size, self.device = batch_size, max_length, block_size, device
         self.backend = ("triton" if device.type == "cuda" else "reference") if backend == "auto" else backend
@@ -410,6 +406,11 @@ class PagedKVCache(Cache):
                 raise ValueError("KVFormat('transform') needs the calibrated codecs: PagedKVCache(..., "
                                  "transform=kvlab.transform.calibration.calibrate(model, calibration_ids))")
             check_transform(transform, num_layers, num_kv_heads, head_dim)
+            if transform.sink or transform.residual:
+                raise ValueError(f"PagedKVCache stores every token as codes, but these transform codecs were calibrated "
+                                 f"to keep the first {transform.sink} and the last {transform.residual} tokens in 16 bit "
+                                 f"(their bits assume it): use kvlab.KVCache(KVFormat('transform'), transform=...) "
+                                 f"(kvlab.generate does), or codecs of calibrate(..., sink=0, residual=0)")
             self.kind, self.transform = "transform", transform.to(device)
             self.key_codec = self.value_codec = self.layout = self.slot_bytes = None  # per layer: the layers' codecs
         elif fmt.codec == "mse":

@@ -98,12 +98,31 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once: os.umask can only be read by setting it
+
+
+def _mode_of(path: Path) -> int:
+    """The permissions a file written at ``path`` gets: those of the file it replaces, else the umask's (a temporary
+    file is created private)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        return 0o666 & ~_UMASK
+
+
 def _replace_atomically(path: Path, write) -> None:
     """``write(fh)`` into a temporary file of a name of its own beside ``path``, then rename it over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
         with os.fdopen(fd, "w", newline="", encoding="utf-8") as fh:  # whatever the locale: the table is read as UTF-8
             write(fh)
+        os.chmod(tmp, _mode_of(path))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -384,6 +403,7 @@ def plot_results(rows: list[dict], parameters: list[str], path) -> Path | None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110)
+        os.chmod(tmp, _mode_of(path))
         os.replace(tmp, path)
     finally:
         plt.close(fig)

@@ -366,6 +366,17 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     C.check_int("sink", sink, minimum=0)
     C.check_int("residual", residual, minimum=0)
     C.check_int("context", context, minimum=sink + residual + 1)
+    from ..hf.cache import model_shape
+
+    _, heads, dim = model_shape(model.config, "calibrate", sliding=True)
+    width = heads * dim // (1 if groups == "joint" else heads)
+    for name, b in [("bits", bits)] + ([("reference_bits", reference_bits)] if allocation == "global" else []):
+        if code_budget(b, width, gain=gain, sink=sink, residual=residual, context=context) < 1:
+            held = min(sink + residual, context)
+            least = ((1 + 16 * gain) / width * (context - held) + 16 * held) / context
+            raise ValueError(f"{name}={b} leaves no bits for the codes: with sink={sink} and residual={residual} tokens "
+                             f"in 16 bit at context={context}{' and a gain per vector' if gain else ''}, {name} must be "
+                             f"at least {least:.3f}")
     rope = RoPE.from_model(model) if keys == "pre_rope" else None  # a ValueError naming keys='post_rope' without one RoPE
     data = capture(model, ids, window=window) if captured is None else captured
     fits = {} if fits is None else fits

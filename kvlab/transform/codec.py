@@ -238,15 +238,24 @@ class TransformKV:
 
     @classmethod
     def load(cls, path: str | os.PathLike, device="cpu") -> "TransformKV":
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        """The codecs ``save`` wrote to ``path``, on ``device``."""
+        device = C.check_device("device", device)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            parts = {k: state[k] for k in ("keys", "values", "rope", "sink", "residual")}
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # not a file torch.save wrote, or not one TransformKV.save wrote
+            raise ValueError(f"{os.fspath(path)} is not a file of kvlab.transform.TransformKV.save "
+                             f"({type(exc).__name__}: {exc})") from None
         rope = None
-        if state["rope"] is not None:
+        if parts["rope"] is not None:
             from ..calibration import RoPE
 
-            rope = RoPE(state["rope"]["inv_freq"], state["rope"]["scaling"])
-        return cls(tuple(TransformCodec.from_state_dict(s, device) for s in state["keys"]),
-                   tuple(TransformCodec.from_state_dict(s, device) for s in state["values"]),
-                   rope, int(state["sink"]), int(state["residual"]))
+            rope = RoPE(parts["rope"]["inv_freq"], parts["rope"]["scaling"])
+        return cls(tuple(TransformCodec.from_state_dict(s, device) for s in parts["keys"]),
+                   tuple(TransformCodec.from_state_dict(s, device) for s in parts["values"]),
+                   rope, int(parts["sink"]), int(parts["residual"]))
 
 
 def check_gains(codec: TransformCodec, y: torch.Tensor, name: str = "x") -> None:

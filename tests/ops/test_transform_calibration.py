@@ -136,6 +136,9 @@ def test_saved_calibration_codes_the_same(tiny, tmp_path):
     (dict(context=4, residual=8), ValueError, "context"),
     (dict(allocation="global", reference_bits=0), ValueError, "reference_bits"),
     (dict(allocation="global", sensitivity_windows=0), ValueError, "sensitivity_windows"),
+    (dict(bits=0.2), ValueError, r"bits=0.2 leaves no bits for the codes: .* bits must be at least 0\.2"),
+    (dict(bits=1.0, context=32), ValueError, r"bits=1.0 leaves no bits for the codes"),
+    (dict(allocation="global", reference_bits=0.1), ValueError, r"reference_bits=0.1 leaves no bits"),
 ])
 def test_bad_arguments(tiny, kwargs, error, match):
     model, ids, data = tiny
@@ -217,3 +220,42 @@ def test_smollm2_chunked_decode_view_equals_token_by_token():
     stale = M.perplexity(model, ids, chunk=48, decode_view=False, **kw).nll
     assert abs(view / step - 1) < 1.5e-3, (view, step)  # seen 8e-5 with the gain, 6.3e-4 without
     assert abs(stale / step - 1) > 3e-3, (stale, step)  # the view of the call after its write: 1.1 % off
+
+
+def test_a_partial_rotary_embedding_is_named():
+    """RoPE on part of the key channels (Phi-3-style partial_rotary_factor) is not modelled: the error names it, and
+    the transform codec calibrates keys after RoPE."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from kvlab import RoPE
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, partial_rotary_factor=0.5,
+                                       max_position_embeddings=256, pad_token_id=0)).eval()
+    with pytest.raises(ValueError, match="turns 32 of its 64 key channels with RoPE .* mean='constant'"):
+        RoPE.from_model(model)
+    ids = torch.randint(0, 96, (256,), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="partial rotary"):
+        CAL.calibrate(model, ids, window=128)
+    kv = CAL.calibrate(model, ids, window=128, keys="post_rope", context=128)
+    assert kv.rope is None and len(kv.keys) == 1
+
+
+def test_a_file_that_is_not_a_calibration_is_named(tiny, tmp_path):
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=3.0, window=128, captured=data)
+    good = tmp_path / "kv.pt"
+    kv.save(good)
+    blob = good.read_bytes()
+    files = {"truncated.pt": blob[: len(blob) // 2], "noise.pt": bytes(range(256)) * 8, "empty.pt": b""}
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
+    for name in (*files, "other.pt"):
+        with pytest.raises(ValueError, match=f"{name} is not a file of kvlab.transform.TransformKV.save"):
+            TransformKV.load(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        TransformKV.load(tmp_path / "missing.pt")
+    with pytest.raises(ValueError, match="device must be a torch device this machine has"):
+        TransformKV.load(good, device="tpu")

@@ -91,6 +91,28 @@ def test_generate_takes_the_fused_path():
     assert fused_support(KVFormat("transform"), 64) is None
 
 
+def test_codecs_calibrated_with_16_bit_tokens_generate_through_kvcache():
+    """Codecs whose bits assume the first and last tokens in 16 bit: PagedKVCache refuses them, KVCache keeps those
+    tokens by default, and kvlab.generate takes that path."""
+    model = tiny_model(layers=1)
+    base = random_kv(model, 2, False)
+    kv = TransformKV(base.keys, base.values, base.rope, sink=1, residual=3)
+    with pytest.raises(ValueError, match="calibrated to keep the first 1 and the last 3 tokens in 16 bit"):
+        PagedKVCache(KVFormat("transform"), config=model.config, batch_size=1, max_length=16, transform=kv)
+    cache = KVCache(KVFormat("transform"), config=model.config, transform=kv)
+    assert (cache.sink, cache.residual) == (1, 3)
+    assert (KVCache(KVFormat("transform"), config=model.config, transform=kv, sink=0).sink) == 0
+    with pytest.raises(ValueError, match="transform is for KVFormat\\('transform'\\) layers"):
+        KVCache(KVFormat("mse", 4), config=model.config, transform=kv)
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    out = generate(model, ids, KVFormat("transform"), 5, transform=kv)
+    assert out.path == "materialising" and "keep the first 1 and the last 3 tokens" in out.why
+    model.set_attn_implementation("sdpa")
+    own = model.generate(ids, cache=KVCache(KVFormat("transform"), config=model.config, transform=kv),
+                         max_new_tokens=5, do_sample=False)
+    assert torch.equal(out.sequences, own)
+
+
 def test_bad_configurations():
     model = tiny_model(layers=1)
     kv = random_kv(model, 1, False)
