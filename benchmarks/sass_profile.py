@@ -126,7 +126,7 @@ def _record(out: str, only: set[str]) -> None:
                 case(f"affine_unpack {axis}", bits, lambda: kvlab.decode_affine(codes, bits, 32, axis, DIM),
                      codes.numel() + x.numel() * 2)
     if "mse" in only:
-        from kvlab.mse import gluon_load as mse_mma, gluon_store as mse_store
+        from kvlab.mse import gluon_load, gluon_store
 
         kv = x.view(rows // HEADS, HEADS, DIM)
         slots = torch.arange(rows // HEADS)
@@ -139,11 +139,11 @@ def _record(out: str, only: set[str]) -> None:
                  2 * kv.numel() * 2 + rows * layout.slot_bytes, options=kvlab.mse.api._store_compiled_options(bits, 4, DIM))
             # the store as an H200 runs it, compiled for sm_90: the Gluon kernel of kvlab.mse.gluon_store (the interpreter
             # runs the Triton kernel above, so the launch is written here), the values' launch (codes 2 bytes past a
-            # word boundary), one program of mse_store.rows() rows counted
+            # word boundary), one program of gluon_store.rows() rows counted
             head = kvlab.mse.api._store_head(cache, layout.value_offset, layout.value_code_bytes)
             constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, TUPLE=kvlab.mse.api._square_tuple(bits),
                              OFFSET=layout.value_offset, INDEX_BYTES=layout.value_bytes, HEAD=head, NORM_CORRECTION=True,
-                             CHECK=False, ROWS=mse_store.rows(), LA=None, LB=None, LW=None, LT=None, LTA=None)
+                             CHECK=False, ROWS=gluon_store.rows(), LA=None, LB=None, LW=None, LT=None, LTA=None)
             runtime = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i64",
                            cache_ptr="*u8", norm_ptr="*fp32", scale="fp32", stride_x="i32", num_rows="i32", num_slots="i32",
                            stride_slot="i32", stride_block="i32", stride_pos="i32", stride_head="i32")
@@ -152,7 +152,7 @@ def _record(out: str, only: set[str]) -> None:
             launches.append(dict(module="kvlab.mse.gluon_store", kernel="store_kernel", case="mse_store hadamard, K+V (Gluon)",
                                  bits=bits, signature=runtime | {k: "constexpr" for k in constants}, constants=constants,
                                  aligned=[0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 14],
-                                 options=mse_store.options(bits), programs=1, bytes=mse_store.rows() * (2 * DIM + layout.value_code_bytes)))
+                                 options=gluon_store.options(bits), programs=1, bytes=gluon_store.rows() * (2 * DIM + layout.value_code_bytes)))
             case("mse_load value, rotated", bits, lambda: kvlab.load_mse(cache, slots, vc, part="value", check=False),
                  rows * (layout.value_code_bytes + 2 * DIM))
             # model space, compiled for sm_90: the Gluon kernel of kvlab.mse.gluon_load (the interpreter cannot run it, so
@@ -161,14 +161,14 @@ def _record(out: str, only: set[str]) -> None:
             offset, index_bytes = kvlab.mse.api._part_layout(vc, "value", layout.slot_bytes)
             align4 = kvlab.mse.api._word_phase(cache, offset) == 0
             constants = dict(D=DIM, NUM_HEADS=HEADS, BLOCK_SIZE=16, BITS=bits, OFFSET=offset, INDEX_BYTES=index_bytes,
-                             ALIGN4=align4, WORDS=None, ACC=None, A=None, OUT=None, SLOTS_AHEAD=mse_mma.SLOTS_AHEAD[align4])
+                             ALIGN4=align4, WORDS=None, ACC=None, A=None, OUT=None, SLOTS_AHEAD=gluon_load.SLOTS_AHEAD[align4])
             runtime = dict(cache_ptr="*u8", slot_ptr="*i64", b_ptr="*fp16", out_ptr="*fp16") | {
-                name: "i32" for name in mse_mma._RUNTIME[4:]}
+                name: "i32" for name in gluon_load._RUNTIME[4:]}
             # b and out are 16-byte aligned (the launcher allocates them), the cache and the slots are not specialised on
             launches.append(dict(module="kvlab.mse.gluon_load", kernel="model_load_kernel", case="mse_load value, model space",
                                  bits=bits, signature=runtime | {k: "constexpr" for k in constants}, constants=constants,
-                                 aligned=[2, 3], options=dict(num_warps=mse_mma.WARPS, maxnreg=mse_mma.MAXNREG), programs=1,
-                                 bytes=mse_mma.TILE_ROWS * (layout.value_code_bytes + 2 * DIM)))
+                                 aligned=[2, 3], options=dict(num_warps=gluon_load.WARPS, maxnreg=gluon_load.MAXNREG), programs=1,
+                                 bytes=gluon_load.TILE_ROWS * (layout.value_code_bytes + 2 * DIM)))
     if "decode" in only:
         from kvlab.attention import DecodeLaunch, decode_attention
 
@@ -189,19 +189,19 @@ def _record(out: str, only: set[str]) -> None:
         # the loop of kvlab.attention.gluon (MSE keys and values of 2, 3 or 4 bits, Gluon: the interpreter cannot run
         # it, so the launch that decode_attention makes on a GPU is written here); one trip of its loop is two
         # steps of STEP keys
-        from kvlab.attention import gluon as decode_mma
+        from kvlab.attention import gluon
 
         for bits in (4, 3, 2):
             layout = kvlab.MSESlot(DIM, bits, bits)
             runtime = dict(q_ptr="*fp16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", o_part_ptr="*fp32",
-                           ml_part_ptr="*fp32") | {name: "i32" for name in decode_mma._RUNTIME[6:]}
+                           ml_part_ptr="*fp32") | {name: "i32" for name in gluon._RUNTIME[6:]}
             constants = dict(HQ=hq, HKV=HEADS, BLOCK_SIZE=block, D=DIM, KEY_NORM_OFFSET=layout.key_norm_offset,
                              VALUE_OFFSET=layout.value_offset, VALUE_NORM_OFFSET=layout.value_norm_offset, BG=8,
                              BITS_K=bits, BITS_V=bits, KEY_WORDS="key_words_layout", VALUE_WORDS="value_words_layout")
-            keys = 2 * decode_mma.STEP
+            keys = 2 * gluon.STEP
             launches.append(dict(module="kvlab.attention.gluon", kernel="decode_mma_kernel", case="decode mma trip", bits=bits,
                                  signature=runtime | {k: "constexpr" for k in constants}, constants=constants, aligned=[],
-                                 options=dict(num_warps=1, maxnreg=decode_mma.num_registers(8)), programs=1,
+                                 options=dict(num_warps=1, maxnreg=gluon.num_registers(8)), programs=1,
                                  bytes=keys * layout.slot_bytes, keys_per_trip=keys))
         # the affine cache (token groups of 32): the fp32 dequantization (its default), and the fp16-pair
         # one (fast=True, which the interpreter cannot run without a PTX emulator: the same launch, marked)

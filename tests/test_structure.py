@@ -62,9 +62,11 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _is_backend(module: str) -> bool:
-    """Kernels and their launchers: the shared device code and each op's triton / gluon modules."""
+    """Kernels and their launchers: the shared device code, each op's triton / gluon modules, and any other module
+    that defines a Triton kernel."""
     last = module.rpartition(".")[2]
-    return module.startswith("kvlab._kernels") or last.startswith(("triton", "gluon"))
+    return (module.startswith("kvlab._kernels") or last.startswith(("triton", "gluon"))
+            or "@triton.jit" in MODULES[module].read_text())
 
 
 def _is_reference(module: str) -> bool:

@@ -1,5 +1,7 @@
 """The affine (min/max per group) codec: token- and channel-axis codes, mixed bits per head, the paged
-affine cache. ``triton``: the kernels and their launchers; the oracle is ``kvlab.affine.reference.AffineCodec``.
+affine cache. ``api``: the checked launchers (``encode_affine``, ``decode_affine`` and their mixed-bit forms);
+``triton``, ``triton_bits``: the kernels; ``paged``: the store into the paged affine cache (``store_affine``);
+the oracle is ``kvlab.affine.reference.AffineCodec``.
 Tests: ``tests/ops/test_affine.py``; benchmark: ``benchmarks/bench_codecs.py --only affine``; pages 02 and 08."""
 
 from .paged import AffineStoreStep, store_affine

@@ -88,7 +88,7 @@ def _rows_per_tile(block: int | None, row_elements: int, tile: int = TILE_ELEMEN
 
 def encode_token_spec(x: torch.Tensor, codes: torch.Tensor, bits: int, group_size: int, *, check: bool = False,
                     flags: torch.Tensor | None = None, block_rows: int | None = None, num_warps: int | None = None):
-    """The launch of ``affine_pack_token_kernel`` (a ``kvlab._kernels.launch`` spec): rows of ``x`` ``[n_rows, dim]``
+    """The launch of ``affine_pack_token_kernel`` (a ``kvlab._kernels.replay`` spec): rows of ``x`` ``[n_rows, dim]``
     (columns contiguous) encoded into the rows of ``codes`` ``[n_rows, code_bytes]`` uint8 (bytes contiguous, rows
     any stride); ``flags``: int32, one per program, written when ``check`` (allocated when None)."""
     n_rows, dim = x.shape

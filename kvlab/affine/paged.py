@@ -47,11 +47,11 @@ def store_affine(key, value, slot_mapping, cache, key_codec, value_codec, *, che
 class AffineStoreStep:
     """``store_affine(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on
     inputs of one shape and dtype whose slots are all written (a decode step): each call encodes the keys and
-    values into one staging slot per row (two launches prepared once, ``kvlab._kernels.launch``), then copies the rows
+    values into one staging slot per row (two launches prepared once, ``kvlab._kernels.replay``), then copies the rows
     into their slots. The bytes are ``store_affine``'s; other inputs go through it."""
 
     def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
-        from .._kernels.launch import Launch
+        from .._kernels.replay import Launch
         from .api import encode_token_spec
 
         store_affine(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks

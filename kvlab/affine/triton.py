@@ -1,7 +1,8 @@
 """Triton kernels for the affine codec: asymmetric min/max quantization with a fp16 scale and zero per group.
 
 What
-    ``encode_affine`` / ``decode_affine`` encode and decode exactly what ``kvlab.affine.reference.AffineCodec``
+    The kernels behind ``kvlab.affine.api``'s launchers (which check, then launch them): ``encode_affine`` /
+    ``decode_affine`` encode and decode exactly what ``kvlab.affine.reference.AffineCodec``
     does (same bytes, ``torch.equal``), for 2, 3, 4 and 8 bits, with groups of ``group_size``
     channels of a token (``axis="token"``) or ``group_size`` tokens of a channel (``axis="channel"``).
     ``encode_affine_mixed`` / ``decode_affine_mixed`` encode a layer's K (or V) ``[tokens, heads, dim]``

@@ -68,7 +68,7 @@ from ..centered.api import load_centered_mse
 from ..affine.api import decode_affine
 from ..layout import HEAD_DIMS as DIMS, MSESlot
 from ..mse.api import load_mse
-from . import gluon as decode_mma
+from . import gluon
 from .checks import check_codecs, check_paged_inputs, is_centered, is_mse, slot_layout, split_centered
 from .triton import LOG2E, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, merge, merge_spec, on_device, partials, rope_mean_scores, rotate_rows, rotate_spec, split_spec, split_tables
 
@@ -80,7 +80,7 @@ class DecodeLaunch:
     """How ``decode_attention`` runs; every field left at None is the default measured fastest on an H200.
 
     ``num_splits`` (default: for the split loop about 16 programs per SM, splits of at least 256 keys; for
-    the loop of ``kvlab.attention.gluon``, ``decode_mma.default_splits``), ``block_n`` (keys
+    the loop of ``kvlab.attention.gluon``, ``gluon.default_splits``), ``block_n`` (keys
     per step, a power of two 16..256), ``num_warps``, ``num_stages`` and ``max_registers`` (a cap on
     registers per thread, 32..255, so that more warps fit on an SM; ignored by the interpreter) tune
     the launch; ``fast`` picks, for MSE caches, the ``prmt`` lookup over the generic unpack, and for
@@ -159,8 +159,8 @@ def launch_defaults(kind: str, bits: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _mma_splits(batch: int, num_kv_heads: int, capacity: int, device) -> int:
-    """The default split count of the loop of ``kvlab.attention.gluon`` (``decode_mma.default_splits``)."""
-    return decode_mma.default_splits(batch * num_kv_heads, capacity, T.sm_count(device))
+    """The default split count of the loop of ``kvlab.attention.gluon`` (``gluon.default_splits``)."""
+    return gluon.default_splits(batch * num_kv_heads, capacity, T.sm_count(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,17 +177,17 @@ def _mma_unsupported(q, num_kv_heads, kind, centered, key_codec, value_codec) ->
         return "a CUDA GPU (Triton's interpreter cannot run Gluon kernels)"
     if T.capability(q.device) < (8, 0):
         return "a GPU of compute capability 8.0 or later (mma.sync m16n8k16)"
-    if kind != "mse" or centered is not None or key_codec.bits not in decode_mma.BITS or value_codec.bits not in decode_mma.BITS:
-        widths = ", ".join(map(str, decode_mma.BITS[:-1])) + f" or {decode_mma.BITS[-1]}"
+    if kind != "mse" or centered is not None or key_codec.bits not in gluon.BITS or value_codec.bits not in gluon.BITS:
+        widths = ", ".join(map(str, gluon.BITS[:-1])) + f" or {gluon.BITS[-1]}"
         return f"MSE key and value codecs of {widths} bits (not centred keys)"
-    if q.shape[-1] not in decode_mma.DIMS:
-        return f"a head dim in {decode_mma.DIMS}, got {q.shape[-1]}"
+    if q.shape[-1] not in gluon.DIMS:
+        return f"a head dim in {gluon.DIMS}, got {q.shape[-1]}"
     if value_codec.bits * q.shape[-1] < 256:
         return f"a head dim of at least 128 for {value_codec.bits}-bit values, got {q.shape[-1]}"
     if key_codec.bits == 3 and q.shape[-1] != 128:
         return f"a head dim of 128 for 3-bit keys, got {q.shape[-1]}"
-    if q.shape[-2] // num_kv_heads > decode_mma.MAX_GROUP:
-        return f"at most {decode_mma.MAX_GROUP} query heads per KV head, got {q.shape[-2] // num_kv_heads}"
+    if q.shape[-2] // num_kv_heads > gluon.MAX_GROUP:
+        return f"at most {gluon.MAX_GROUP} query heads per KV head, got {q.shape[-2] // num_kv_heads}"
     if T.prmt_tables(key_codec) is None or T.prmt_tables(value_codec) is None:
         return "symmetric fp16 codebooks (the byte-permute lookup)"
     return None
@@ -203,7 +203,7 @@ def _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma
         raise ValueError(f"mma=True needs {why_not}")
     if mma and given:
         raise ValueError(f"mma=True takes none of the split loop's launch arguments, got {', '.join(given)}")
-    return why_not is None and not given and (mma or (key_codec.bits, value_codec.bits) in decode_mma.DEFAULT_BITS)
+    return why_not is None and not given and (mma or (key_codec.bits, value_codec.bits) in gluon.DEFAULT_BITS)
 
 
 def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, num_splits, capacity, check=True):
@@ -227,7 +227,7 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
     grid, args, constants, options = _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec,
                                                  value_codec, split_len, num_splits)
     with on_device(device):
-        decode_mma.launch(grid, args, constants, options)
+        gluon.launch(grid, args, constants, options)
         merge(o_part, ml_part, order_v, out)
     return _to_model_space(out, value_codec, q.dtype)
 
@@ -235,10 +235,10 @@ def _decode_mma(q, cache, block_table, seq_lens, key_codec, value_codec, scale, 
 def _mma_tables(key_codec, value_codec, dim: int, q_scale: float, device):
     """``(rotation of the query times q_scale, its columns in the loop's order; output coordinate order)``."""
     rot_k = T.cached(key_codec, ("mma_query_rotation", device, q_scale), key_codec.rotation,
-                    lambda r: (r.to(device=device, dtype=torch.float32)[:, decode_mma.query_order(dim, key_codec.bits).to(device)]
+                    lambda r: (r.to(device=device, dtype=torch.float32)[:, gluon.query_order(dim, key_codec.bits).to(device)]
                                * q_scale).contiguous())
     order_v = T.cached(value_codec, ("mma_output_order", device), value_codec.centroids,
-                      lambda _: decode_mma.output_order(dim).to(device=device, dtype=torch.int32))
+                      lambda _: gluon.output_order(dim).to(device=device, dtype=torch.int32))
     return rot_k, order_v
 
 
@@ -246,17 +246,17 @@ def _mma_split_len(batch: int, num_kv_heads: int, capacity: int, num_splits, dev
     """``(keys per split, splits)`` of the loop of ``kvlab.attention.gluon`` (``num_splits`` None: the default)."""
     if num_splits is None:
         num_splits = _mma_splits(batch, num_kv_heads, capacity, device)
-    split_len = C.cdiv(C.cdiv(capacity, num_splits), decode_mma.STEP) * decode_mma.STEP
+    split_len = C.cdiv(C.cdiv(capacity, num_splits), gluon.STEP) * gluon.STEP
     return split_len, C.cdiv(capacity, split_len)
 
 
 def _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec, value_codec, split_len, num_splits):
-    """``(grid, arguments, constants, options)`` of ``decode_mma.launch`` for the loop of ``_decode_mma``."""
+    """``(grid, arguments, constants, options)`` of ``gluon.launch`` for the loop of ``_decode_mma``."""
     batch, num_q_heads, dim = q_in.shape
     num_kv_heads = cache.shape[2]
     layout = MSESlot(dim, key_codec.bits, value_codec.bits)
     group_rows = max(8, C.next_power_of_2(num_q_heads // num_kv_heads))
-    max_registers = decode_mma.num_registers(group_rows)
+    max_registers = gluon.num_registers(group_rows)
     extra = {} if max_registers is None else dict(maxnreg=max_registers)
     args = (q_in, cache, block_table, seq_lens, o_part, ml_part, *T.prmt_tables(key_codec), *T.prmt_tables(value_codec),
             split_len, num_splits, block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2))
@@ -264,7 +264,7 @@ def _mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec, 
                      KEY_NORM_OFFSET=layout.key_norm_offset, VALUE_OFFSET=layout.value_offset,
                      VALUE_NORM_OFFSET=layout.value_norm_offset, BG=group_rows, BITS_K=key_codec.bits,
                      BITS_V=value_codec.bits, KEY_WORDS=key_words_layout(dim, key_codec.bits),
-                     VALUE_WORDS=decode_mma.value_words_layout(dim, value_codec.bits))
+                     VALUE_WORDS=gluon.value_words_layout(dim, value_codec.bits))
     return (batch * num_kv_heads, num_splits), args, constants, dict(num_warps=1, **extra)
 
 
@@ -415,12 +415,12 @@ class DecodeStep:
     repeated on one cache, block table and lengths tensor (read in place at every call: their owner advances
     them and keeps them valid) for queries of one shape and dtype — one layer of a ``PagedKVCache`` in a decode
     step. The checks, device tables, buffers and launch arguments are prepared once; a call replays the
-    launches (``kvlab._kernels.launch``): the query's rotation, the loop, the merge and the output's rotation. Returns
+    launches (``kvlab._kernels.replay``): the query's rotation, the loop, the merge and the output's rotation. Returns
     the same output as ``decode_attention``, in a buffer that the next call overwrites. MSE and affine caches
     (not centred keys); the loop is ``decode_attention``'s default for the shape."""
 
     def __init__(self, q, cache, block_table, seq_lens, key_codec, value_codec, *, scale=None):
-        from .._kernels.launch import Launch
+        from .._kernels.replay import Launch
 
         decode_attention(q, cache, block_table, seq_lens, key_codec, value_codec, scale=scale, check=False)  # checks
         batch, num_q_heads, dim = q.shape
@@ -437,7 +437,7 @@ class DecodeStep:
             split_len, num_splits = _mma_split_len(batch, num_kv_heads, capacity, None, device)
             q_in = torch.empty(q.shape, dtype=torch.float16, device=device)
             o_part, ml_part, out = partials(batch, num_q_heads, num_splits, dim, device)
-            loop = decode_mma.spec(*_mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec,
+            loop = gluon.spec(*_mma_launch(q_in, cache, block_table, seq_lens, o_part, ml_part, key_codec,
                                                 value_codec, split_len, num_splits))
         else:
             tuned = launch_defaults(kind, max(key_codec.bits, value_codec.bits))

@@ -379,7 +379,7 @@ def decode_mma_kernel(
 
 
 def spec(grid, args: tuple, constants: dict, options: dict):
-    """``launch``'s arguments as a ``kvlab._kernels.launch`` spec: ``(kernel, grid, arguments by name, options)``."""
+    """``launch``'s arguments as a ``kvlab._kernels.replay`` spec: ``(kernel, grid, arguments by name, options)``."""
     return decode_mma_kernel, tuple(grid), dict(zip(decode_mma_kernel.arg_names, args), **constants), dict(options)
 
 

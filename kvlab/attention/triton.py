@@ -1,4 +1,4 @@
-"""Fused decode attention over kvlab's quantized paged KV cache: ``decode_attention``.
+"""Fused decode attention over kvlab's quantized paged KV cache: the Triton kernels of ``decode_attention``.
 
 The split loop, its kernels and launch helpers; ``kvlab.attention.api`` checks, picks the loop and launches.
 
@@ -440,7 +440,7 @@ def _device_table(codec, name, device, build):
 
 
 def rotate_spec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None = None):
-    """The launch of ``_rotate_rows_kernel`` (``kvlab._kernels.launch`` spec): ``out = (x * scale) @ w`` (``x``, ``out``
+    """The launch of ``_rotate_rows_kernel`` (``kvlab._kernels.replay`` spec): ``out = (x * scale) @ w`` (``x``, ``out``
     contiguous, rows of ``w.shape[0]``)."""
     dim = x.shape[-1]
     rows = x.numel() // dim
@@ -510,7 +510,7 @@ def partials(batch: int, num_q_heads: int, num_splits: int, dim: int, device):
 
 
 def merge_spec(o_part, ml_part, order, out):
-    """The launch of ``_merge_splits_kernel`` (``kvlab._kernels.launch`` spec): ``out`` (natural coordinate order) from
+    """The launch of ``_merge_splits_kernel`` (``kvlab._kernels.replay`` spec): ``out`` (natural coordinate order) from
     the splits of ``o_part``."""
     batch, num_q_heads, num_splits, dim = o_part.shape
     # on a GPU, 32 tile positions a program (more programs in flight); the interpreter, whole rows (fewer programs)
@@ -575,7 +575,7 @@ def split_spec(q_in, cache, block_table, seq_lens, o_part, ml_part, bias, t: dic
                 split_len: int, num_blocks: int, capacity: int, q_unscale: float, *, kind: str, block_n: int,
                 fast: bool, prefetch: bool, keys_as_rows: bool, interpreted: bool, num_warps: int, num_stages,
                 max_registers):
-    """The launch of ``_decode_split_kernel`` (``kvlab._kernels.launch`` spec)."""
+    """The launch of ``_decode_split_kernel`` (``kvlab._kernels.replay`` spec)."""
     batch, num_q_heads, num_splits, dim = o_part.shape
     num_kv_heads = cache.shape[2]
     group = num_q_heads // num_kv_heads

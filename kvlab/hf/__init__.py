@@ -1,7 +1,9 @@
-"""transformers integration: ``cache`` (``KVCache``, a transformers ``Cache`` that stores K/V as codes),
-``generation`` (``PagedKVCache``, the ``"kvlab"`` attention implementation and ``generate``), ``model``
-(the SmolLM2-135M loader, ``corpus``, ``perplexity``) and ``decode_view`` (every scored query attends as a
-decode step would). These modules import transformers; ``kvlab`` loads them on first use."""
+"""transformers integration: ``formats`` (``KVFormat``), ``cache`` (``KVCache``, a transformers ``Cache`` that
+stores K/V as codes and decodes them for attention) with its per-codec ``stores``, ``paged`` (``PagedKVCache``
+and the ``"kvlab"`` attention implementation, which reads the codes with ``decode_attention``), ``generation``
+(``generate``), ``model`` (the loaders of SmolLM2-135M and Gemma 3 270M, ``corpus``, ``perplexity``) and
+``decode_view`` (every scored query attends as a decode step would). These modules import transformers;
+``kvlab`` loads them on first use."""
 
 import transformers as _transformers
 from packaging.version import Version as _Version
@@ -13,7 +15,7 @@ if _Version(_transformers.__version__).release < _Version(MIN_TRANSFORMERS).rele
     raise ImportError(f"kvlab's transformers integration needs transformers >= {MIN_TRANSFORMERS} (models take the "
                       f"cache as cache=), found {_transformers.__version__}: pip install 'transformers>={MIN_TRANSFORMERS}'")
 
-_MODULES = ("cache", "decode_view", "generation", "model")
+_MODULES = ("cache", "decode_view", "formats", "generation", "model", "paged", "stores")
 
 
 def __getattr__(name):  # submodules on first use (some import transformers)

@@ -22,7 +22,8 @@ Models
 
 Text
     ``corpus()`` returns English prose that CPython ships: the help topics of ``pydoc_data.topics``
-    (the language reference's sections, about 465 000 characters), joined in sorted order.
+    (the language reference's sections, about 465 000 characters), joined in sorted order;
+    ``corpus("stdlib")`` the standard library's docstrings, prose of another kind for calibration.
 
 Perplexity
     ``perplexity(model, ids, window, stride, chunk, cache)`` evaluates with a sliding window. Window

@@ -33,7 +33,8 @@ Formats
     each) and transform-codec caches (``KVFormat("transform")`` with ``transform=``, the calibrated
     ``kvlab.transform.TransformKV``: ``kvlab.transform.attention.decode_attention`` scores keys coded
     after RoPE in the transformed space, decodes keys coded before RoPE per tile; a continuation decodes
-    the context), head dims 64, 128 and 256. Other formats (fp16, channel-axis keys, mixed bits per head,
+    the context; codecs calibrated to keep tokens in 16 bit, ``calibrate``'s default, are refused: their bits
+    assume those tokens), head dims 64, 128 and 256. Other formats (fp16, channel-axis keys, mixed bits per head,
     centred keys, other head dims) generate through ``kvlab.KVCache``, which decodes the stored
     tokens for every step (the materialising path); ``kvlab.generate`` picks it for them and says so
     in ``GenerateOutput.path``.

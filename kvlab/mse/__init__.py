@@ -7,6 +7,6 @@
 ``tests/ops/test_mse.py``; benchmark: ``benchmarks/bench_codecs.py``; pages 02 and 14.
 """
 
-from .api import load_mse, store_mse, load_values_model_space, load_values_rotated
+from .api import load_mse, store_mse
 
-__all__ = ["load_mse", "store_mse", "load_values_model_space", "load_values_rotated"]
+__all__ = ["load_mse", "store_mse"]

@@ -40,7 +40,7 @@ from ..layout import MSE_BITS, NORM_BYTES, MSESlot, packed_bytes
 from .triton_load import load_mse_kernel
 from .triton_store import store_mse_kernel
 
-__all__ = ["load_mse", "store_mse", "load_values_model_space", "load_values_rotated"]
+__all__ = ["load_mse", "store_mse"]
 
 GROUP = 8  # indices per group: 8 indices of `bits` bits are exactly `bits` bytes
 STORE_PIECE = 128  # columns of a row one store thread holds (registers); longer rows are split
@@ -356,12 +356,12 @@ def store_mse(
 class MSEStoreStep:
     """``store_mse(key, value, slot_mapping, cache, key_codec, value_codec, check=False)`` repeated on inputs of
     one shape, dtype and layout (a decode step: one token per sequence): the checks, device tables and launch
-    arguments are prepared once, and each call replays the two launches (``kvlab._kernels.launch.Launch``) with the new
+    arguments are prepared once, and each call replays the two launches (``kvlab._kernels.replay.Launch``) with the new
     rows and slots. The bytes are ``store_mse``'s. Inputs of another shape or layout go through ``store_mse``."""
 
     def __init__(self, key, value, slot_mapping, cache, key_codec, value_codec):
         store_mse(key, value, slot_mapping, cache, key_codec, value_codec, check=False)  # checks shapes; compiles
-        from .._kernels.launch import Launch
+        from .._kernels.replay import Launch
 
         self.cache, self.codecs = cache, (key_codec, value_codec)
         self.shape, self.dtype = tuple(key.shape), key.dtype
@@ -418,10 +418,10 @@ def _store_specs(parts, codecs, layout, slot_mapping, cache, norms, num_rows: in
         (parts[1], codecs[1], layout.value_offset, layout.value_bytes, norms[1]),
     ):
         if gluon and p["hadamard"]:
-            from . import gluon_store as mse_store
+            from . import gluon_store
 
-            if mse_store.supports(dim, p["head"]):
-                specs.append(mse_store.spec(
+            if gluon_store.supports(dim, p["head"]):
+                specs.append(gluon_store.spec(
                     (p["rows"], p["signs"], p["mid"], p["tie"], p["squares"], slot_mapping, cache, part_norms,
                      p["scale"], p["rows"].stride(0), num_rows, num_slots, slot_mapping.stride(0), cache.stride(0),
                      cache.stride(1), cache.stride(2)),
@@ -548,15 +548,15 @@ def load_mse(
     mma = (fused and fast and major == 9 and block_rows == MODEL_TILE_ROWS
            and num_warps == MODEL_NUM_WARPS)
     if mma:
-        from . import gluon_load as mse_mma
+        from . import gluon_load
 
-        mma = mse_mma.supports(dim, codec.bits)
+        mma = gluon_load.supports(dim, codec.bits)
     if num_rows and mma:
-        grid = (min(C.cdiv(num_rows, mse_mma.TILE_ROWS), mse_mma.PROGRAMS_PER_SM * T.sm_count(device)),)
+        grid = (min(C.cdiv(num_rows, gluon_load.TILE_ROWS), gluon_load.PROGRAMS_PER_SM * T.sm_count(device)),)
         b = T.cached(codec, ("mma_b", device), codec.rotation,
-                    lambda r: mse_mma.operand_b(r, codec.bits).to(device))
+                    lambda r: gluon_load.operand_b(r, codec.bits).to(device))
         with T.on_device(device):
-            mse_mma.launch(grid, (cache, slot_mapping, b, out, *tables, num_rows, num_blocks * block_size,
+            gluon_load.launch(grid, (cache, slot_mapping, b, out, *tables, num_rows, num_blocks * block_size,
                                   slot_mapping.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), grid[0]),
                            dict(D=dim, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, BITS=codec.bits, OFFSET=offset,
                                 INDEX_BYTES=index_bytes, ALIGN4=phase == 0))
@@ -599,13 +599,3 @@ def load_mse(
     if space == "model" and not fused:
         out = (out @ rot.T).to(out_dtype)  # the reference's inverse rotation, one GEMM for all rows
     return out.view(num_tokens, num_heads, dim)
-
-
-def load_values_rotated(cache, slot_mapping, value_codec, **kwargs) -> torch.Tensor:
-    """Value vectors in rotated space, ``[num_tokens, num_heads, dim]`` (``load_mse(part="value")``)."""
-    return load_mse(cache, slot_mapping, value_codec, part="value", space="rotated", **kwargs)
-
-
-def load_values_model_space(cache, slot_mapping, value_codec, **kwargs) -> torch.Tensor:
-    """Value vectors in model space: the rotated ones times ``R.T`` in one batched GEMM."""
-    return load_mse(cache, slot_mapping, value_codec, part="value", space="model", **kwargs)

@@ -319,7 +319,7 @@ def test_mma_lookups_give_operand_pairs():
     import numpy as np
     import ptx
 
-    from kvlab.attention import gluon as decode_mma
+    from kvlab.attention import gluon
     from kvlab._kernels import mma_tile
     from kvlab._kernels.tables import prmt_tables as _prmt_tables
 
@@ -327,8 +327,8 @@ def test_mma_lookups_give_operand_pairs():
     words = g.integers(0, 2**32, size=(4, 64), dtype=np.uint64).astype(np.uint32)
     pair = lambda lo, hi: c16[lo] | (c16[hi] << 16)  # noqa: E731
     # 4 and 3 bit (a 3-bit group is the low 24 bits of a word, the bits above are ignored): the same order
-    for bits, two_keys, four_values in ((4, mma_tile.LOOKUP4_TWO_KEYS, decode_mma.LOOKUP4_FOUR_VALUES),
-                                        (3, mma_tile.LOOKUP3_TWO_KEYS, decode_mma.LOOKUP3_FOUR_VALUES)):
+    for bits, two_keys, four_values in ((4, mma_tile.LOOKUP4_TWO_KEYS, gluon.LOOKUP4_FOUR_VALUES),
+                                        (3, mma_tile.LOOKUP3_TWO_KEYS, gluon.LOOKUP3_FOUR_VALUES)):
         kc = mse_codecs(128, bits, bits, "haar")[0]
         tables = [np.array([t], dtype=np.int64).astype(np.uint32) for t in _prmt_tables(kc)]
         c16 = kc.codebook.to(torch.float16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
@@ -352,7 +352,7 @@ def test_mma_lookups_give_operand_pairs():
         c = p % 4 + 8 * (p // 4)
         for x in range(2):
             assert np.array_equal(outs[2 * p + x], pair(idx[x][c], idx[x][c + 4]))
-    for half, asm in enumerate((decode_mma.LOOKUP2_FOUR_VALUES_LO, decode_mma.LOOKUP2_FOUR_VALUES_HI)):
+    for half, asm in enumerate((gluon.LOOKUP2_FOUR_VALUES_LO, gluon.LOOKUP2_FOUR_VALUES_HI)):
         outs = ptx.run(asm.value, "=r," * 16 + "r," * 5 + "r", [*words, *tables2])
         for coord in range(8):
             for p in range(2):
@@ -361,10 +361,10 @@ def test_mma_lookups_give_operand_pairs():
 
 
 def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
-    """decode_mma.launch: the first launch of a kind goes through Triton's JIT (constants and options by
+    """gluon.launch: the first launch of a kind goes through Triton's JIT (constants and options by
     name), later ones straight to the compiled kernel (runtime arguments, then the constants, in order);
     an integer that needs 64 bits, another constant or another dtype is another kind."""
-    from kvlab.attention import gluon as decode_mma
+    from kvlab.attention import gluon
 
     calls = []
 
@@ -376,26 +376,26 @@ def test_mma_launch_reuses_the_compiled_kernel(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: calls.append(("jit", grid, args, kw)) or Compiled()
 
-    monkeypatch.setattr(decode_mma, "decode_mma_kernel", Kernel())
-    monkeypatch.setattr(decode_mma, "_COMPILED", {})
+    monkeypatch.setattr(gluon, "decode_mma_kernel", Kernel())
+    monkeypatch.setattr(gluon, "_COMPILED", {})
     x = torch.zeros(4, dtype=torch.float16)
     consts, opts = dict(D=64, BG=8), dict(num_warps=1)
-    decode_mma.launch((2, 3), (x, 5), consts, opts)
-    decode_mma.launch((2, 3), (x, 7), consts, opts)
+    gluon.launch((2, 3), (x, 5), consts, opts)
+    gluon.launch((2, 3), (x, 7), consts, opts)
     assert calls[0] == ("jit", (2, 3, 1), (x, 5), dict(D=64, BG=8, num_warps=1))
     assert calls[1] == ("compiled", (2, 3, 1), (x, 7, 64, 8))
-    decode_mma.launch((2, 3), (x, 2**40), consts, opts)  # a 64-bit integer
-    decode_mma.launch((2, 3), (x, 7), dict(D=128, BG=8), opts)
-    decode_mma.launch((2, 3), (x.float(), 7), consts, opts)
+    gluon.launch((2, 3), (x, 2**40), consts, opts)  # a 64-bit integer
+    gluon.launch((2, 3), (x, 7), dict(D=128, BG=8), opts)
+    gluon.launch((2, 3), (x.float(), 7), consts, opts)
     assert [c[0] for c in calls] == ["jit", "compiled", "jit", "jit", "jit"]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_mma_orders_are_permutations(dim, bits):
-    from kvlab.attention import gluon as decode_mma
+    from kvlab.attention import gluon
 
-    for order in (decode_mma.query_order(dim, bits), decode_mma.output_order(dim)):
+    for order in (gluon.query_order(dim, bits), gluon.output_order(dim)):
         assert torch.equal(torch.sort(order).values, torch.arange(dim))
 
 

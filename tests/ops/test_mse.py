@@ -21,7 +21,7 @@ import kvlab
 from kvlab import CodecLaunch
 from kvlab._kernels.tables import capability, compiled, interpreted
 from kvlab.layout import code_order
-from kvlab.mse import load_mse, store_mse, load_values_model_space, load_values_rotated
+from kvlab.mse import load_mse, store_mse
 from kvlab.rotation import fwht, hadamard, hadamard_signs
 
 SENTINEL = 0xAB
@@ -298,15 +298,15 @@ def test_model_space_mma_load(dim, bits, out_dtype, device, monkeypatch):
     the last tile partial, keys (4-byte aligned) and values (2 bytes past a word boundary), a padding slot."""
     if not compiled(device) or capability(device)[0] != 9:
         pytest.skip("the Gluon model-space load needs a Hopper GPU (warpgroup MMA)")
-    from kvlab.mse import gluon_load as mse_mma
+    from kvlab.mse import gluon_load
 
     heads = 3
-    programs = mse_mma.PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
-    tokens = 2 * programs * mse_mma.TILE_ROWS // heads + 29  # more than two tiles a program, the last tile partial
+    programs = gluon_load.PROGRAMS_PER_SM * kvlab._kernels.tables.sm_count(torch.device(device))
+    tokens = 2 * programs * gluon_load.TILE_ROWS // heads + 29  # more than two tiles a program, the last tile partial
     kc, vc, layout, slots, cache = written_cache(dim, bits, heads, tokens, 20 + bits, 5, device)
     keep = (slots >= 0).view(-1, 1, 1)
     calls = []
-    monkeypatch.setattr(mse_mma, "launch", lambda *a, _launch=mse_mma.launch: calls.append(1) or _launch(*a))
+    monkeypatch.setattr(gluon_load, "launch", lambda *a, _launch=gluon_load.launch: calls.append(1) or _launch(*a))
     for part, codec, codes in zip(("key", "value"), (kc, vc), kvlab.mse.reference.load_slots(cache, slots, layout)):
         exact = torch.where(keep, codec.decode(codes, "model"), 0.0)
         out = load_mse(cache, slots, codec, part=part, space="model", out_dtype=out_dtype)
@@ -325,11 +325,11 @@ def test_model_space_mma_operands(dim, bits):
     ``query_order`` and B = ``operand_b``, accumulator column ``n`` is output column ``column_order[n]``,
     and the 16 column pairs a thread holds of a row (columns ``8 j + 2 t + e``) are four runs of 8
     consecutive output columns (one 16-byte store each)."""
-    from kvlab.mse import gluon_load as mse_mma
+    from kvlab.mse import gluon_load
     from kvlab.attention.gluon import query_order
 
     codec = codecs(dim, bits, bits, "haar")[0]
-    order = mse_mma.column_order(dim)
+    order = gluon_load.column_order(dim)
     assert torch.equal(order.sort().values, torch.arange(dim))
     for t in range(4):
         held = torch.tensor([8 * j + 2 * t + e for j in range(dim // 8) for e in range(2)])
@@ -337,14 +337,14 @@ def test_model_space_mma_operands(dim, bits):
         assert torch.equal(runs - runs[:, :1], torch.arange(8).expand_as(runs)) and bool((runs[:, 0] % 8 == 0).all())
     g = torch.Generator().manual_seed(bits)
     c = codec.centroids[torch.randint(0, 2**bits, (37, dim), generator=g)].half().float()
-    b = mse_mma.operand_b(codec.rotation, bits).float()
+    b = gluon_load.operand_b(codec.rotation, bits).float()
     acc = torch.full((37, dim), float("nan"))
     acc.copy_(c[:, query_order(dim, bits)] @ b)
     out = torch.full_like(acc, float("nan"))
     out[:, order] = acc
     expected = c @ codec.rotation.T.half().float()
     assert rel_err(out, expected) < 1e-6
-    assert mse_mma.supports(dim, bits) and not mse_mma.supports(64, 3) and not mse_mma.supports(256, 4)
+    assert gluon_load.supports(dim, bits) and not gluon_load.supports(64, 3) and not gluon_load.supports(256, 4)
 
 
 @pytest.mark.parametrize("lanes,rows_per_thread,warps", [(4, 1, 4), (8, 2, 4), (4, 2, 8)])
@@ -356,13 +356,13 @@ def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkey
     an aligned address swaps them), rows past the last tile, padding slots, each tiling of 4 or 8 threads a row."""
     if not compiled(device):
         pytest.skip("the Gluon store runs on CUDA GPUs (Triton's interpreter cannot run Gluon)")
-    from kvlab.mse import gluon_store as mse_store
+    from kvlab.mse import gluon_store
 
-    monkeypatch.setattr(mse_store, "LANES", lanes)
-    monkeypatch.setattr(mse_store, "ROWS_PER_THREAD", rows_per_thread)
-    monkeypatch.setattr(mse_store, "WARPS", warps)
+    monkeypatch.setattr(gluon_store, "LANES", lanes)
+    monkeypatch.setattr(gluon_store, "ROWS_PER_THREAD", rows_per_thread)
+    monkeypatch.setattr(gluon_store, "WARPS", warps)
     calls = []
-    monkeypatch.setattr(mse_store, "spec", lambda *a, _spec=mse_store.spec: calls.append(1) or _spec(*a))
+    monkeypatch.setattr(gluon_store, "spec", lambda *a, _spec=gluon_store.spec: calls.append(1) or _spec(*a))
     for kb, vb in [(2, 3), (3, 4), (4, 2), (4, 4)]:
         key, value, slots, _, ref, kc, vc, layout = make_batch((157, 3, 128, kb, vb, "hadamard", dtype, 16), device)
         flat = torch.full((ref.numel() + 16,), SENTINEL, dtype=torch.uint8, device=device)
@@ -379,10 +379,10 @@ def test_gluon_store(lanes, rows_per_thread, warps, dtype, shift, device, monkey
 
 def test_gluon_store_reach():
     """Which stores the Gluon kernel takes: dim 128, codes word-aligned or 2 bytes past a boundary."""
-    from kvlab.mse import gluon_store as mse_store
+    from kvlab.mse import gluon_store
 
-    assert mse_store.supports(128, 0) and mse_store.supports(128, 2)
-    assert not mse_store.supports(64, 0) and not mse_store.supports(128, 1) and not mse_store.supports(128, -1)
+    assert gluon_store.supports(128, 0) and gluon_store.supports(128, 2)
+    assert not gluon_store.supports(64, 0) and not gluon_store.supports(128, 1) and not gluon_store.supports(128, -1)
 
 
 _COMPILE_STORE = """
@@ -391,7 +391,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from kvlab.mse import gluon_store as mse_store
+from kvlab.mse import gluon_store
 from kvlab.mse.api import _square_tuple
 
 signature = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32", sq_ptr="*fp64", slot_ptr="*i32",
@@ -400,10 +400,10 @@ signature = dict(x_ptr="*fp16", sign_ptr="*i16", mid_ptr="*fp64", tie_ptr="*i32"
 for arg in sys.argv[1:]:
     bits, head = map(int, arg.split(","))
     constants = dict(D=128, NUM_HEADS=8, BLOCK_SIZE=16, BITS=bits, TUPLE=_square_tuple(bits), OFFSET=head,
-                     INDEX_BYTES=16 * bits, HEAD=head, NORM_CORRECTION=True, CHECK=True, ROWS=mse_store.rows(),
-                     **mse_store.layout_constants(128, bits))
-    source = GluonASTSource(mse_store.store_kernel, dict(signature, **dict.fromkeys(constants, "constexpr")), constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=mse_store.options(bits))
+                     INDEX_BYTES=16 * bits, HEAD=head, NORM_CORRECTION=True, CHECK=True, ROWS=gluon_store.rows(),
+                     **gluon_store.layout_constants(128, bits))
+    source = GluonASTSource(gluon_store.store_kernel, dict(signature, **dict.fromkeys(constants, "constexpr")), constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=gluon_store.options(bits))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -426,7 +426,7 @@ def test_gluon_store_compiles_for_hopper():
     import sys
     from pathlib import Path
 
-    from kvlab.mse import gluon_store as mse_store
+    from kvlab.mse import gluon_store
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
@@ -437,7 +437,7 @@ def test_gluon_store_compiles_for_hopper():
     assert sorted(usages) == sorted(f"{b},{h}" for b, h in cases), out
     for bits, head in cases:
         usage = usages[f"{bits},{head}"]
-        assert "LOCAL:0" in usage and int(re.search(r"STACK:(\d+)", usage).group(1)) <= (8 if bits in mse_store.MAXNREG else 0), (bits, head, usage)
+        assert "LOCAL:0" in usage and int(re.search(r"STACK:(\d+)", usage).group(1)) <= (8 if bits in gluon_store.MAXNREG else 0), (bits, head, usage)
         assert int(re.search(r"REG:(\d+)", usage).group(1)) <= 64, (bits, head, usage)
 
 
@@ -461,9 +461,9 @@ def test_roundtrip_store_then_load(device):
     store_mse(key, value, slots, cache, kc, vc)
     k_codes, v_codes = kvlab.mse.reference.load_slots(ref, slots, layout)
     keep = (slots >= 0).view(-1, 1, 1)
-    out = load_values_model_space(cache, slots, vc, out_dtype=torch.float32)
+    out = load_mse(cache, slots, vc, part="value", space="model", out_dtype=torch.float32)
     assert rel_err(out, torch.where(keep, vc.decode(v_codes), 0.0)) <= 1e-5
-    out = load_values_rotated(cache, slots, vc)
+    out = load_mse(cache, slots, vc, part="value", space="rotated")
     assert torch.equal(out, load_mse(cache, slots, vc, part="value"))
     # and the round trip is close to the input: 4-bit keys
     rel = rel_err(load_mse(cache, slots, kc, space="model", out_dtype=torch.float32)[keep.view(-1)], key[keep.view(-1)].float())
