@@ -230,8 +230,7 @@ def key_moments(model, ids: torch.Tensor, *, window: int = 1024, mean: str = "ro
     if ids.numel() < window:
         raise ValueError(f"ids has {ids.numel()} tokens, fewer than one window of {window}")
     C.check_choice("mean", mean, MEANS)
-    if not isinstance(before_rope, bool):
-        raise TypeError(f"before_rope must be a bool, got {type(before_rope).__name__}")
+    C.check_bool("before_rope", before_rope)
     rope = RoPE.from_model(model) if (mean == "rope" or before_rope) else None
 
     def positions(x):  # [B, H, n, D] at positions 0 .. n - 1

@@ -35,8 +35,7 @@ class MSEParams:
         C.check_int("bits", bits, MSE_BITS)
         C.check_choice("rotation", rotation, KINDS)
         C.check_int("seed", seed)
-        if not isinstance(norm_correction, bool):
-            raise TypeError(f"norm_correction must be a bool, got {type(norm_correction).__name__}")
+        C.check_bool("norm_correction", norm_correction)
         self.dim, self.bits, self.rotation_kind, self.seed = dim, bits, rotation, seed
         self.norm_correction = norm_correction
         self.quantizer = lloyd_max(bits, dim)

@@ -330,8 +330,7 @@ def decode_attention(
     prefetch = tuned.get("prefetch", False) if prefetch is None else prefetch
     keys_as_rows = tuned.get("keys_as_rows", False) if keys_as_rows is None else keys_as_rows
     layout = slot_layout(kind, dim, key_codec, value_codec)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    C.check_bool("check", check)
     num_blocks, block_size, num_kv_heads, capacity = check_paged_inputs(q, cache, block_table, seq_lens, layout, check)
     if centered is not None and centered.num_heads != num_kv_heads:
         raise ValueError(f"key_codec.num_heads ({centered.num_heads}) must equal the cache's num_kv_heads ({num_kv_heads})")
@@ -366,10 +365,8 @@ def decode_attention(
         fast = not interpreted and tuned["fast"]
     if not isinstance(fast, bool):
         raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be a bool, got {type(prefetch).__name__}")
-    if not isinstance(keys_as_rows, bool):
-        raise TypeError(f"keys_as_rows must be a bool, got {type(keys_as_rows).__name__}")
+    C.check_bool("prefetch", prefetch)
+    C.check_bool("keys_as_rows", keys_as_rows)
     if prefetch and kind != "mse":
         raise ValueError("prefetch=True applies to MSE caches (the affine path is not pipelined)")
     if fast and interpreted and not T.interpreter_runs_ptx():
@@ -523,8 +520,7 @@ def prefill_attention(
     kind = check_codecs(key_codec, value_codec, dim)
     centered, key_codec = split_centered(key_codec, position_offset)
     layout = slot_layout(kind, dim, key_codec, value_codec)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    C.check_bool("check", check)
     num_blocks, block_size, num_kv_heads, capacity = check_paged_inputs(q, cache, block_table, seq_lens, layout, True)
     if check:
         C.check_reader(cache, key_codec, value_codec)

@@ -105,8 +105,7 @@ def store_centered_mse(key: torch.Tensor, value: torch.Tensor, slot_mapping: tor
                          f"contiguous in its last dimension, got shape {tuple(cache.shape)}")
     C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
     C.check_kernel_device("cache", cache)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    C.check_bool("check", check)
     # shape, dtype and device here; the slot range (one host sync) and the launch settings in store_mse
     C.check_slot_mapping(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], cache.device, values=False)
     key_mean = _mean_rows(key_codec, positions, num_tokens, cache.device)

@@ -86,8 +86,7 @@ class DecodeViewCache(Cache):
 
     @decode_view.setter
     def decode_view(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise TypeError(f"decode_view must be a bool, got {type(on).__name__}")
+        C.check_bool("decode_view", on)
         if on != self.decode_view and self.get_seq_length():
             raise ValueError("decode_view must be set before the cache holds tokens")
         for layer in self.layers:

@@ -92,8 +92,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         raise TypeError(f"model must be a transformers causal LM (a torch.nn.Module with a config), "
                         f"got {type(model).__name__}")
     C.check_model_dtype(model)
-    if not isinstance(do_sample, bool):
-        raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
+    C.check_bool("do_sample", do_sample)
     if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph must be a bool or None, got {type(cuda_graph).__name__}")
     if max_length is not None:
@@ -151,8 +150,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         cuda_graph = fused_here and device.type == "cuda" and fmt.codec != "transform"
     if cuda_graph and not (fused_here and device.type == "cuda"):
         raise ValueError("cuda_graph=True needs the fused path on a CUDA device")
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile must be a bool, got {type(compile).__name__}")
+    C.check_bool("compile", compile)
     if compile and not cuda_graph:
         raise ValueError("compile=True needs cuda_graph (the fused path on a CUDA device)")
     previous = config._attn_implementation

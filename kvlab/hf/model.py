@@ -235,8 +235,7 @@ def load_model(name: str = DEFAULT_MODEL, *, folder: str | os.PathLike | None = 
     """
     if dtype not in C.FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of (float16, bfloat16, float32), got {dtype}")
-    if not isinstance(refresh, bool):
-        raise TypeError(f"refresh must be a bool, got {type(refresh).__name__}")
+    C.check_bool("refresh", refresh)
     device = C.check_device("device", device)
     source = _source(name)
     transformers = _transformers()
@@ -401,8 +400,7 @@ def perplexity(model, ids: torch.Tensor, *, window: int = 512, stride: int = 256
     C.check_int("chunk", chunk, minimum=1)
     if max_windows is not None:
         C.check_int("max_windows", max_windows, minimum=1)
-    if not isinstance(decode_view, bool):
-        raise TypeError(f"decode_view must be a bool, got {type(decode_view).__name__}")
+    C.check_bool("decode_view", decode_view)
     if bos is not None:
         C.check_int("bos", bos, minimum=0)
     single = not isinstance(cache, dict)

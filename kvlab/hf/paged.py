@@ -383,8 +383,7 @@ class PagedKVCache(Cache):
                  backend: str = "auto", transform=None, check_steps: bool = True):
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a kvlab.KVFormat, got {type(fmt).__name__}")
-        if not isinstance(check_steps, bool):
-            raise TypeError(f"check_steps must be a bool, got {type(check_steps).__name__}")
+        C.check_bool("check_steps", check_steps)
         num_layers, num_kv_heads, head_dim = model_shape(config, "PagedKVCache")
         why = fused_support(fmt, head_dim)
         if why is not None:

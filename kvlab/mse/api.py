@@ -304,8 +304,7 @@ def store_mse(
     C.check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))
     C.check_same_device(cache=cache, key=key, value=value, slot_mapping=slot_mapping)
     C.check_kernel_device("cache", cache)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    C.check_bool("check", check)
     num_slots = num_blocks * block_size
     C.check_slot_mapping(slot_mapping, num_tokens, num_slots, cache.device, values=check)
     block_rows, num_warps, piece = launch_settings(launch, "store_mse", ("block_rows", "num_warps", "piece"))
@@ -505,8 +504,7 @@ def load_mse(
     C.check_choice("space", space, ("rotated", "model"))
     if out_dtype not in C.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of (float16, bfloat16, float32), got {out_dtype}")
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    C.check_bool("check", check)
     _check_cache(cache)
     C.check_kernel_device("cache", cache)
     num_blocks, block_size, num_heads, slot_bytes = cache.shape

@@ -212,8 +212,7 @@ def head_errors(queries, keys, values, keys_hat, values_hat, positions, *, pool_
             raise ValueError(f"{name} must have the shape of keys {tuple(keys.shape)}, got {tuple(t.shape)}")
     C.check_tensor("queries", queries, DTYPES, ndim_min=3, last_dim=keys.shape[-1])
     C.check_tensor("positions", positions, (torch.int32, torch.int64))
-    if not isinstance(pool_heads, bool):
-        raise TypeError(f"pool_heads must be a bool, got {type(pool_heads).__name__}")
+    C.check_bool("pool_heads", pool_heads)
     *batch, kv_heads, tokens, dim = keys.shape
     *q_batch, q_heads, n_q, _ = queries.shape
     if output_weight is not None:

@@ -219,8 +219,7 @@ def codec_errors(
     ``relative_mse`` is that of the keys; ``ip_*`` compare ``<q, k_hat>`` with ``<q, k>``. With
     ``quantize_values=False`` the values stay exact, so the attention errors are the keys' alone.
     """
-    if not isinstance(quantize_values, bool):
-        raise TypeError(f"quantize_values must be a bool, got {type(quantize_values).__name__}")
+    C.check_bool("quantize_values", quantize_values)
     k_hat = roundtrip(codec, keys)
     v_hat = roundtrip(codec, values) if quantize_values else values
     ip = inner_product_error(queries, keys, k_hat)

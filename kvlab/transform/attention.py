@@ -265,8 +265,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             raise TypeError(f"rope must be None or a kvlab.RoPE, got {type(rope).__name__}")
         if rope.dim != dim:
             raise ValueError(f"rope rotates {rope.dim} channels, the heads have {dim}")
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    C.check_bool("check", check)
     device, page = q.device, k_cache.shape[1]
     if check and batch:
         C.check_finite("q", q)

@@ -82,8 +82,7 @@ class TransformCodec:
         if self.codebooks.dim() != 3 or tuple(self.codebooks.shape[:2]) != (groups, dim) or self.codebooks.shape[2] < levels:
             raise ValueError(f"codebooks must be [groups, dim, >= 2**max(bits)] = {[groups, dim, levels]}, "
                              f"got shape {tuple(self.codebooks.shape)}")
-        if not isinstance(self.gain, bool):
-            raise TypeError(f"gain must be a bool, got {type(self.gain).__name__}")
+        C.check_bool("gain", self.gain)
         for name in ("mean", "forward", "inverse"):
             C.check_finite(name, getattr(self, name))
         used = torch.arange(self.codebooks.shape[2]) < (1 << self.bits.long().cpu()).unsqueeze(-1)
