@@ -373,6 +373,20 @@ def test_a_nonfinite_decode_step_is_an_error(fmt, do_sample, device):
     assert generate(model, ids, fmt, 8, backend="reference").sequences.shape == (2, 17)  # the model is unharmed
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_reference_backend_generates_without_a_cuda_graph():
+    """The reference codecs check their input on the host, which a CUDA graph cannot capture: by default they
+    generate step by step from Python; asking for the graph is an error that names the backends that allow it."""
+    model = tiny_model(4, 2, 64, layers=2).cuda()
+    ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
+    out = generate(model, ids, KVFormat("mse", 4), 4, backend="reference")
+    assert out.path == "fused" and not out.graph and out.sequences.shape == (2, 13)
+    with pytest.raises(ValueError, match="cuda_graph=True needs backend='auto' or 'triton'"):
+        generate(model, ids, KVFormat("mse", 4), 4, backend="reference", cuda_graph=True)
+    assert generate(model, ids, KVFormat("mse", 4), 4).graph
+
+
 def test_compiled_layers_generate_the_same_tokens():
     """Decoder layers under torch.compile (graph breaks at kvlab's cache update and attention) generate what the
     uncompiled model generates, and are restored after the block (the GPU runs Inductor, benchmarks/bench_generate)."""

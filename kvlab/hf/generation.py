@@ -60,8 +60,8 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     ``input_ids`` ``[B, T]`` (left-padded where ``attention_mask`` ``[B, T]`` has zeros). Formats the
     fused decode reads (``fused_support``) generate through ``PagedKVCache`` and ``decode_attention``;
     the others through ``KVCache`` (the stored tokens decoded for every step, SDPA). ``cuda_graph``
-    (default: on a CUDA device with the fused path) replays each decode step of the whole model from
-    one CUDA graph. Greedy by default; ``do_sample`` samples from ``softmax(logits / temperature)``.
+    (default: on a CUDA device with the fused path and kvlab's kernels, not ``backend="reference"``) replays each
+    decode step of the whole model from one CUDA graph. Greedy by default; ``do_sample`` samples from ``softmax(logits / temperature)``.
     After ``eos_token_id`` a sequence's tokens are ``pad_token_id`` (default: the EOS id).
     ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``); codecs
     calibrated to keep tokens in 16 bit (``calibrate``'s default ``sink=1, residual=16``) generate through
@@ -147,9 +147,12 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         raise ValueError(f"max_length ({max_length}) must hold the prompt and the new tokens ({total})")
     fused_here = why is None
     if cuda_graph is None:
-        cuda_graph = fused_here and device.type == "cuda" and fmt.codec != "transform"
+        cuda_graph = fused_here and device.type == "cuda" and fmt.codec != "transform" and backend != "reference"
     if cuda_graph and not (fused_here and device.type == "cuda"):
         raise ValueError("cuda_graph=True needs the fused path on a CUDA device")
+    if cuda_graph and backend == "reference":
+        raise ValueError("cuda_graph=True needs backend='auto' or 'triton': the reference codecs check their input "
+                         "on the host, which a CUDA graph cannot capture")
     C.check_bool("compile", compile)
     if compile and not cuda_graph:
         raise ValueError("compile=True needs cuda_graph (the fused path on a CUDA device)")

@@ -1,5 +1,6 @@
 """Calibrating the transform codec (kvlab.transform.calibration) on a tiny random Llama, and its simulated cache."""
 
+import copy
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from kvlab.transform import calibration as CAL
 from kvlab.transform import reference as R
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -173,11 +175,13 @@ def test_kvcache_transform_equals_the_simulated_cache(tiny, keys):
                                             sink=1, dtype=torch.float32, backend=backend, block_size=16))
     ref = M.perplexity(model, text, window=48, stride=24, cache=make("reference"))
     assert math.isclose(ref.nll, sim.nll, rel_tol=5e-4)  # a float difference between the paths can flip a code: seen 2.6e-4
+    # the kernels' bytes against the reference's, both on the device the kernels run on (a GPU, else the interpreter)
+    on = copy.deepcopy(model).to(DEVICE)
     cache = {}
     for backend in ("reference", "triton"):
         c = make(backend)()
-        model(text[None, :30], cache=c)
-        model(text[None, 30:33], cache=c)
+        on(text[None, :30].to(DEVICE), cache=c)
+        on(text[None, 30:33].to(DEVICE), cache=c)
         cache[backend] = c
     a, b = cache["reference"].layers[1].mse, cache["triton"].layers[1].mse
     assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
