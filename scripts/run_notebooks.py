@@ -276,6 +276,9 @@ def hide_injected_parameters(nb: dict) -> None:
             tags.append("remove-cell")
 
 
+KERNEL_DIED = "Kernel died before replying to kernel_info"  # jupyter_client: no cell ran
+
+
 def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
     src = SOURCES / f"{name}.ipynb"
     dst = EXECUTED / f"{name}.ipynb"
@@ -294,14 +297,20 @@ def run_notebook(name: str, env: dict[str, str], params: list[str]) -> None:
            "--cwd", str(ROOT), "--kernel", "python3", "--no-progress-bar",
            "--log-level", "WARNING", *params]
     start = time.monotonic()
-    timed_out = False
-    with open(logfile, "w") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=PAGE_TIMEOUT)
-        except subprocess.TimeoutExpired:  # papermill and its kernel, which runs in papermill's session
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc, timed_out = proc.wait(), True
+    for attempt in (1, 2):  # kernels started at the same moment (--jobs) can die before they start: start it again
+        timed_out = False
+        with open(logfile, "w") as fh:
+            proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+            try:
+                left = None if PAGE_TIMEOUT is None else max(1.0, PAGE_TIMEOUT - (time.monotonic() - start))
+                rc = proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:  # papermill and its kernel, which runs in papermill's session
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc, timed_out = proc.wait(), True
+        if rc == 0 or timed_out or attempt == 2 or KERNEL_DIED not in logfile.read_text(errors="replace"):
+            break
+        log(f"{src.relative_to(ROOT)}: its kernel died before it started; starting it again")
+        tmp.unlink(missing_ok=True)
     elapsed = time.monotonic() - start
     nb = json.loads(tmp.read_text()) if tmp.is_file() and not timed_out else None
     failed = rc != 0 or nb is None or bool(error_outputs(nb))
