@@ -1,6 +1,7 @@
 """The record of a book run (``scripts/run_notebooks.py --record``) and the code fingerprint it stores."""
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,40 @@ def test_the_cell_papermill_injects_is_removed_from_the_page(runner):
     runner.hide_injected_parameters(nb)
     runner.hide_injected_parameters(nb)  # once only
     assert [c["metadata"]["tags"] for c in nb["cells"]] == [["parameters", "hide-input"], ["injected-parameters", "remove-cell"]]
+
+
+class _Papermill:
+    """A stand-in for papermill's process: each run prints the next line of `logs` and returns 1 when the line
+    holds an error, else writes the executed notebook (the source, unexecuted) and returns 0."""
+
+    def __init__(self, logs):
+        self.logs, self.runs = list(logs), 0
+
+    def __call__(self, cmd, stdout, **kwargs):
+        line = self.logs[self.runs]
+        self.runs += 1
+        stdout.write(line + "\n")
+        stdout.flush()
+        if not line:
+            Path(cmd[4]).write_text(Path(cmd[3]).read_text())
+        rc = 1 if line else 0
+        return type("Proc", (), {"pid": 0, "wait": lambda self, timeout=None: rc})()
+
+
+@pytest.mark.parametrize("died", [True, False])
+def test_a_kernel_that_dies_before_it_starts_is_started_again_once(runner, monkeypatch, died):
+    tmp_path = ROOT / "_build" / f"test_kernel_died_{died}"  # the runner names paths relative to the repository
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    monkeypatch.setattr(runner, "WORK", tmp_path / "work")
+    monkeypatch.setattr(runner, "EXECUTED", tmp_path / "executed")
+    first = f"RuntimeError: {runner.KERNEL_DIED}" if died else "RuntimeError: something else"
+    fake = _Papermill([first, ""])
+    monkeypatch.setattr(runner.subprocess, "Popen", fake)
+    if died:
+        runner.run_notebook("14_kernel_notes", {}, [])
+        assert fake.runs == 2 and (tmp_path / "executed" / "14_kernel_notes.ipynb").is_file()
+    else:  # any other failure is the notebook's
+        with pytest.raises(runner.NotebookError, match="14_kernel_notes"):
+            runner.run_notebook("14_kernel_notes", {}, [])
+        assert fake.runs == 1 and not (tmp_path / "executed").exists()
+    shutil.rmtree(tmp_path)
