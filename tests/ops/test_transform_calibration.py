@@ -13,7 +13,6 @@ from kvlab.transform import calibration as CAL
 from kvlab.transform import reference as R
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +158,7 @@ def test_a_gain_beyond_fp16_is_an_error(tiny):
 
 
 @pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
-def test_kvcache_transform_equals_the_simulated_cache(tiny, keys):
+def test_kvcache_transform_equals_the_simulated_cache(tiny, keys, device):
     """KVCache(KVFormat("transform")) holds the codes the simulated cache decodes: the same perplexity; the Triton
     kernels write the same bytes as the reference; nbytes counts rows, sink and window exactly."""
     from kvlab.hf.cache import KVCache, KVFormat
@@ -176,12 +175,12 @@ def test_kvcache_transform_equals_the_simulated_cache(tiny, keys):
     ref = M.perplexity(model, text, window=48, stride=24, cache=make("reference"))
     assert math.isclose(ref.nll, sim.nll, rel_tol=5e-4)  # a float difference between the paths can flip a code: seen 2.6e-4
     # the kernels' bytes against the reference's, both on the device the kernels run on (a GPU, else the interpreter)
-    on = copy.deepcopy(model).to(DEVICE)
+    on = copy.deepcopy(model).to(device)
     cache = {}
     for backend in ("reference", "triton"):
         c = make(backend)()
-        on(text[None, :30].to(DEVICE), cache=c)
-        on(text[None, 30:33].to(DEVICE), cache=c)
+        on(text[None, :30].to(device), cache=c)
+        on(text[None, 30:33].to(device), cache=c)
         cache[backend] = c
     a, b = cache["reference"].layers[1].mse, cache["triton"].layers[1].mse
     assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
