@@ -47,9 +47,13 @@ def check_int(name: str, value, allowed=None, minimum=None) -> int:
     return value
 
 
-def check_bool(name: str, value) -> bool:
+def check_bool(name: str, value, optional: bool = False) -> bool | None:
+    """A bool; with ``optional=True`` also None (meaning "choose for me")."""
+    if optional and value is None:
+        return None
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        allowed = "a bool or None" if optional else "a bool"
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__}")
     return value
 
 

@@ -50,6 +50,5 @@ def launch_settings(launch, op: str, takes: tuple[str, ...] = ("block_rows", "nu
         C.check_int("launch.num_warps", launch.num_warps, NUM_WARPS)
     if launch.piece is not None:
         C.check_int("launch.piece", launch.piece, PIECES)
-    if launch.fast is not None and not isinstance(launch.fast, bool):
-        raise TypeError(f"launch.fast must be a bool or None, got {type(launch.fast).__name__}")
+    C.check_bool("launch.fast", launch.fast, optional=True)
     return tuple(getattr(launch, name) for name in takes)

@@ -340,8 +340,7 @@ def decode_attention(
     if scale is None:
         scale = dim**-0.5
     scale = C.check_scale("scale", scale)
-    if mma is not None and not isinstance(mma, bool):
-        raise TypeError(f"mma must be a bool or None, got {type(mma).__name__}")
+    C.check_bool("mma", mma, optional=True)
     given = [k for k, v in split_args.items() if v is not None]
     if _takes_mma_loop(q, num_kv_heads, kind, centered, key_codec, value_codec, mma, given):
         if num_splits is not None:
@@ -361,10 +360,8 @@ def decode_attention(
         num_splits = _default_splits(batch, num_kv_heads, capacity, block_n, q.device)
     C.check_int("num_splits", num_splits, minimum=1)
     interpreted = not T.compiled(q.device)
-    if fast is None:  # inline PTX: only when compiled for a GPU
+    if C.check_bool("fast", fast, optional=True) is None:  # inline PTX: only when compiled for a GPU
         fast = not interpreted and tuned["fast"]
-    if not isinstance(fast, bool):
-        raise TypeError(f"fast must be a bool or None, got {type(fast).__name__}")
     C.check_bool("prefetch", prefetch)
     C.check_bool("keys_as_rows", keys_as_rows)
     if prefetch and kind != "mse":

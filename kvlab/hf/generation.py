@@ -60,8 +60,9 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     ``input_ids`` ``[B, T]`` (left-padded where ``attention_mask`` ``[B, T]`` has zeros). Formats the
     fused decode reads (``fused_support``) generate through ``PagedKVCache`` and ``decode_attention``;
     the others through ``KVCache`` (the stored tokens decoded for every step, SDPA). ``cuda_graph``
-    (default: on a CUDA device with the fused path and kvlab's kernels, not ``backend="reference"``) replays each
-    decode step of the whole model from one CUDA graph. Greedy by default; ``do_sample`` samples from ``softmax(logits / temperature)``.
+    (default: on a CUDA device with the fused path and kvlab's kernels, not ``backend="reference"``)
+    replays each decode step of the whole model from one CUDA graph. Greedy by default; ``do_sample``
+    samples from ``softmax(logits / temperature)``.
     After ``eos_token_id`` a sequence's tokens are ``pad_token_id`` (default: the EOS id).
     ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``); codecs
     calibrated to keep tokens in 16 bit (``calibrate``'s default ``sink=1, residual=16``) generate through
@@ -93,8 +94,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
                         f"got {type(model).__name__}")
     C.check_model_dtype(model)
     C.check_bool("do_sample", do_sample)
-    if cuda_graph is not None and not isinstance(cuda_graph, bool):
-        raise TypeError(f"cuda_graph must be a bool or None, got {type(cuda_graph).__name__}")
+    C.check_bool("cuda_graph", cuda_graph, optional=True)
     if max_length is not None:
         C.check_int("max_length", max_length, minimum=1)
     vocab = C.vocabulary(model)

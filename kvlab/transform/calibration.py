@@ -360,9 +360,8 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     if isinstance(reference_bits, bool) or not isinstance(reference_bits, (int, float)) or not 0 < reference_bits <= MAX_BITS:
         raise ValueError(f"reference_bits must be a number in (0, {MAX_BITS}], got {reference_bits!r}")
     C.check_int("sensitivity_windows", sensitivity_windows, minimum=1)
-    for name, flag in (("weighting", weighting), ("gain", gain)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    C.check_bool("weighting", weighting)
+    C.check_bool("gain", gain)
     C.check_int("sink", sink, minimum=0)
     C.check_int("residual", residual, minimum=0)
     C.check_int("context", context, minimum=sink + residual + 1)

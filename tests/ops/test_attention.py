@@ -281,6 +281,8 @@ def test_mma_loop_choice(device, monkeypatch):
     assert len(calls) == (1 if COMPILED else 0)
     with pytest.raises(TypeError, match="mma must be a bool or None"):
         decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=1))
+    with pytest.raises(TypeError, match="fast must be a bool or None"):
+        decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=False, fast=1))
     if not COMPILED:
         with pytest.raises(ValueError, match="mma=True needs a CUDA GPU"):
             decode_attention(q.half(), cache, block_table, seq_lens, kc, vc, launch=DecodeLaunch(mma=True))

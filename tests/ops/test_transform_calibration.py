@@ -133,6 +133,7 @@ def test_saved_calibration_codes_the_same(tiny, tmp_path):
     (dict(keys="after"), ValueError, "keys"),
     (dict(allocation="random"), ValueError, "allocation"),
     (dict(weighting=1), TypeError, "weighting"),
+    (dict(gain="yes"), TypeError, "gain must be a bool, got str"),
     (dict(sink=-1), ValueError, "sink"),
     (dict(context=4, residual=8), ValueError, "context"),
     (dict(allocation="global", reference_bits=0), ValueError, "reference_bits"),
