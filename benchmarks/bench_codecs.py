@@ -94,20 +94,25 @@ def tuned(key, call):
     return bench(lambda: call(kvlab.CodecLaunch(**cfg))), cfg
 
 
-def _runs_gluon(call, module: str = "mse_mma") -> bool:
-    """Whether ``call()`` launches a Gluon kernel of ``kvlab.<module>`` (``mse_mma``: the model-space load,
-    ``mse_store``: the Hadamard store) rather than the Triton kernel."""
+# where a call enters a Gluon kernel: (module under kvlab, the function every launch of it goes through)
+GLUON_HOOKS = {"load": ("mse.gluon_load", "launch"), "store": ("mse.gluon_store", "spec")}
+
+
+def _runs_gluon(call, op: str = "load") -> bool:
+    """Whether ``call()`` goes through the Gluon kernel of ``op`` (``GLUON_HOOKS``: the model-space load, the
+    Hadamard store) rather than the Triton kernel."""
     if DEV != "cuda":
         return False
     import importlib
 
+    module, hook = GLUON_HOOKS[op]
     gluon = importlib.import_module(f"kvlab.{module}")
-    launch, calls = gluon.launch, []
-    gluon.launch = lambda *a, **k: (calls.append(1), launch(*a, **k))
+    original, calls = getattr(gluon, hook), []
+    setattr(gluon, hook, lambda *a, **k: (calls.append(1), original(*a, **k))[1])
     try:
         call()
     finally:
-        gluon.launch = launch
+        setattr(gluon, hook, original)
     return bool(calls)
 
 
@@ -223,7 +228,7 @@ def main():
                 store = lambda launch: kvlab.store_mse(x16, v16, slots, cache, kc, vc, check=False, launch=launch)  # noqa: E731
                 ms, cfg = tuned(("mse_store", rot, bits), store)
                 variant = "haar, K+V, GEMM included" if rot == "haar" else "hadamard, K+V, FWHT fused"
-                kernel = {"kernel": "gluon" if _runs_gluon(lambda: store(kvlab.CodecLaunch(**cfg)), "mse_store") else "triton"}
+                kernel = {"kernel": "gluon" if _runs_gluon(lambda: store(kvlab.CodecLaunch(**cfg)), "store") else "triton"}
                 record("mse_store", variant, bits, n, ms, 2 * n * DIM * 2 + n * layout.slot_bytes, cfg | kernel)
             if args.only == "mse_store":
                 del cache

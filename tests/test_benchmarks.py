@@ -1,6 +1,7 @@
 """The codec benchmark's smoke mode (tiny sizes, Triton interpreter): the script runs, checks and writes its files."""
 
 import csv
+import importlib
 import json
 import os
 import pathlib
@@ -81,3 +82,12 @@ def test_bench_transform_smoke():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "relative error" in proc.stdout
+
+
+def test_the_gluon_hooks_the_codec_benchmark_watches_exist():
+    """bench_codecs.py names the kernel each timing ran (Gluon or Triton) by watching one function per Gluon
+    kernel; on a CPU it never looks, so a renamed module would only fail on the GPU."""
+    from benchmarks.bench_codecs import GLUON_HOOKS
+
+    for module, hook in GLUON_HOOKS.values():
+        assert callable(getattr(importlib.import_module(f"kvlab.{module}"), hook)), (module, hook)
