@@ -1,7 +1,13 @@
 """SmolLM2-135M with kvlab's KVCache: loading, text, generation and perplexity (short inputs, CPU)."""
 
+import contextlib
 import importlib.util
 import math
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,6 +104,72 @@ def test_chunks_with_another_checksum_leave_nothing(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="join to a file whose SHA-256 is [0-9a-f]{64}, not 0{64}; reinstall"):
         M.gguf_path("fake")
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_loads_take_turns_with_a_conversion(monkeypatch, tmp_path):
+    """One thread converts the copy again and again (``refresh=True``: write a new folder, remove the old one,
+    move the new one in) while another loads it: the loader never finds the folder half-replaced. Removing
+    the old folder is slowed down to widen the gap a loader could fall into."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    class Model:
+        config, hf_quantizer = SimpleNamespace(), None
+
+        def save_pretrained(self, folder):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / "model.safetensors").write_text("weights")
+
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+    class Tokenizer:
+        def save_pretrained(self, folder):
+            (Path(folder) / "tokenizer.json").write_text("{}")
+
+    def load(cls):
+        def from_pretrained(path, **kwargs):
+            if "gguf_file" not in kwargs:  # the converted copy: every file must be there
+                time.sleep(0.002)
+                (Path(path) / ("model.safetensors" if cls is Model else "tokenizer.json")).read_text()
+            return cls()
+        return SimpleNamespace(from_pretrained=from_pretrained)
+
+    fake = SimpleNamespace(__version__="test", AutoModelForCausalLM=load(Model), AutoTokenizer=load(Tokenizer))
+    monkeypatch.setattr(M, "_transformers", lambda: fake)
+    monkeypatch.setattr(M, "gguf_path", lambda name=M.DEFAULT_MODEL: gguf)
+    monkeypatch.setattr(M, "_quiet_progress", lambda transformers: contextlib.nullcontext())
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda path, **kw: (rmtree(path, **kw), time.sleep(0.01)))
+    folder = tmp_path / "copy"
+    M.load_model(folder=folder)
+    errors, done = [], threading.Event()
+
+    def convert():
+        try:
+            for _ in range(15):
+                M.load_model(folder=folder, refresh=True)
+        except Exception as e:  # reported by the assert below
+            errors.append(e)
+        done.set()
+
+    def read():
+        try:
+            while not done.is_set():
+                M.load_model(folder=folder)
+        except Exception as e:  # reported by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=convert), threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sorted(f.name for f in folder.iterdir()) == ["kvlab-source.json", "model.safetensors", "tokenizer.json"]
 
 
 def test_gemma_shape_and_converted_copy():

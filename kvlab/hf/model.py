@@ -177,6 +177,11 @@ def gguf_path(name: str = DEFAULT_MODEL) -> Path:
     if source.sha256 is None:
         return files[0]
     target = cache_dir() / "gguf" / source.gguf
+    with _exclusive(cache_dir() / f".gguf-{source.gguf}.lock"):
+        return _join(source, files, target)
+
+
+def _join(source: ModelSource, files: list[Path], target: Path) -> Path:
     stamp = target.with_name(target.name + ".source.json")
     parts = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     if target.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == parts:
@@ -209,6 +214,25 @@ def cache_dir() -> Path:
     return Path(base) / "kvlab"
 
 
+@contextlib.contextmanager
+def _exclusive(lock_file: Path):
+    """Hold an exclusive lock on ``lock_file`` (an empty file) for the block: processes that convert or read
+    the same copy at once (notebooks and test workers on a fresh machine) take turns, so none reads a copy
+    that another is replacing. Without ``fcntl`` (Windows) the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _transformers():
     os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when it is first imported
     for name in ("gguf", "accelerate"):
@@ -232,6 +256,8 @@ def load_model(name: str = DEFAULT_MODEL, *, folder: str | os.PathLike | None = 
     ``folder``: where the converted copy lives (default ``cache_dir() / MODELS[name].name``); it is rebuilt
     from the GGUF file when missing, when the GGUF file or the transformers version changed, or with
     ``refresh=True``. ``dtype``: the model's dtype (the copy holds the fp32 weights of the GGUF file).
+    Processes that load the same copy at once take turns (a lock file beside the folder), so none reads a
+    copy that another is replacing.
     """
     if dtype not in C.FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of (float16, bfloat16, float32), got {dtype}")
@@ -243,12 +269,12 @@ def load_model(name: str = DEFAULT_MODEL, *, folder: str | os.PathLike | None = 
     folder = Path(folder) if folder is not None else cache_dir() / source.name
     stamp = _source_stamp(gguf, transformers.__version__)
     stamp_file = folder / "kvlab-source.json"
-    fresh = not refresh and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
-    with _quiet_progress(transformers):
+    with _exclusive(folder.parent / f".{folder.name}.lock"), _quiet_progress(transformers):
+        fresh = not refresh and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
         if not fresh:
             _convert(transformers, gguf, folder, stamp)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model.to(device).eval(), tokenizer
 
 
