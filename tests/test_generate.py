@@ -373,7 +373,6 @@ def test_a_nonfinite_decode_step_is_an_error(fmt, do_sample, device):
     assert generate(model, ids, fmt, 8, backend="reference").sequences.shape == (2, 17)  # the model is unharmed
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_the_reference_backend_generates_without_a_cuda_graph():
     """The reference codecs check their input on the host, which a CUDA graph cannot capture: by default they
