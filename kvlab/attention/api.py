@@ -360,7 +360,8 @@ def decode_attention(
         num_splits = _default_splits(batch, num_kv_heads, capacity, block_n, q.device)
     C.check_int("num_splits", num_splits, minimum=1)
     interpreted = not T.compiled(q.device)
-    if C.check_bool("fast", fast, optional=True) is None:  # inline PTX: only when compiled for a GPU
+    C.check_bool("fast", fast, optional=True)
+    if fast is None:  # inline PTX: only when compiled for a GPU
         fast = not interpreted and tuned["fast"]
     C.check_bool("prefetch", prefetch)
     C.check_bool("keys_as_rows", keys_as_rows)

@@ -306,15 +306,21 @@ class SimulatedCache(DecodeViewCache):
 
 def transform_part(codec, rope_tables: Callable | None = None) -> Part:
     """``kvlab.transform.TransformCodec`` of one layer's keys or values (the layer's heads flattened, then split
-    into the codec's groups); with ``rope_tables`` (``rope_tables(model)``) the keys are coded before RoPE."""
+    into the codec's groups); with ``rope_tables`` (``rope_tables(model)``) the keys are coded before RoPE. The
+    codec may live on another device than the model: it is copied once to the device of the keys and values."""
     from ..transform import reference as TR
 
+    on = {codec.mean.device: codec}
+
     def fn(x, pos):
+        if x.device not in on:
+            on[x.device] = codec.to(x.device)
+        codec_here = on[x.device]
         b, heads, n, dim = x.shape
         rows = x.transpose(1, 2).reshape(b, n, heads * dim)
-        y = TR.transform(codec, rows)
-        TR.check_gains(codec, y, "x")
-        out = TR.untransform(codec, TR.dequantize(codec, *TR.quantize(codec, y)))
+        y = TR.transform(codec_here, rows)
+        TR.check_gains(codec_here, y, "x")
+        out = TR.untransform(codec_here, TR.dequantize(codec_here, *TR.quantize(codec_here, y)))
         return out.reshape(b, n, heads, dim).transpose(1, 2)
 
     part = Part(fn, codec.bits_per_element, f"transform {codec.bits_per_element:.2f}b")

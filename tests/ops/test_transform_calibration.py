@@ -97,6 +97,20 @@ def test_global_allocation_pools_the_same_bits(tiny, groups):
     assert torch.isfinite(R.untransform(pooled.values[0], R.dequantize(pooled.values[0], *R.quantize(pooled.values[0], y)))).all()
 
 
+def test_global_allocation_on_the_model_device(tiny, device):
+    """A model on the GPU calibrates with allocation="global": the codecs (fitted on the CPU) meet the model's keys
+    and values on its device, and the sensitivities match the CPU's."""
+    model, ids, data = tiny
+    args = dict(bits=3.0, window=128, captured=data, sink=1, residual=4, context=128, allocation="global",
+                reference_bits=2.0)
+    here = CAL.calibrate(model, ids[:384], fits=(on_cpu := {}), **args)
+    there = CAL.calibrate(copy.deepcopy(model).to(device), ids[:384], fits=(on_device := {}), **args)
+    kl = lambda fits: next(v for k, v in fits.items() if k[0] == "sensitivity")
+    torch.testing.assert_close(kl(on_device), kl(on_cpu), rtol=0.05, atol=1e-4)
+    total = lambda kv: sum(sum(c.group_bits) for c in (*kv.keys, *kv.values))
+    assert total(there) == total(here)
+
+
 def test_lloyd_matches_the_gaussian_lloyd_max_quantizer():
     u = torch.randn(3, 200000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for bits, mse in ((1, 0.3634), (2, 0.1175), (3, 0.03454)):
