@@ -26,7 +26,8 @@ versions, the date, the command and a fingerprint of the code it ran (the page's
 package), as JSON, after every notebook (so a run cut short keeps what it finished); with it, a failure
 does not stop the other notebooks (the exit code still says it). `--update` merges the run into FILE's
 existing record (same device and parameters, else an error that leaves FILE as it was), replacing the
-entries of the pages run again: `results/book_full_h200.json` holds the last full-size run of each page.
+entries of the pages run again: `results/book_full_<machine>.json` holds the last full-size run of each page
+on one machine (page 12 shows them all).
 `--page-timeout S` stops a notebook that runs longer than S seconds (a failure: "timeout").
 `--save-results DIR` passes `-p save_results DIR/<name>.json` to each notebook whose parameters cell defines
 `save_results` (the pages that write the results of a full-size run, e.g. `results/perplexity_h200.json`).
