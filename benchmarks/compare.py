@@ -83,9 +83,10 @@ def read_points(path: Path, table: Table) -> dict[tuple, dict]:
     return points
 
 
-def _device(points: dict) -> str:
+def _run(points: dict) -> tuple[str, str]:
+    """``(device, date)`` of a results file's run."""
     row = next(iter(points.values()), {})
-    return f"{row.get('device', '?')} ({str(row.get('date', '?'))[:10]})"
+    return row.get("device", "?"), str(row.get("date", "?"))[:10]
 
 
 def compare(rerun: dict, committed: dict, table: Table) -> list[dict]:
@@ -125,13 +126,13 @@ def main(argv=None) -> int:
             continue
         try:
             rerun, committed = read_points(new_path, table), read_points(old_path, table)
-        except (ValueError, KeyError, csv.Error, UnicodeDecodeError) as e:
+        except (ValueError, csv.Error, UnicodeDecodeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         found += 1
-        new_device, old_device = _device(rerun), _device(committed)
-        print(f"{name}: rerun on {new_device}, against {old_device}")
-        if new_device.split(" (")[0] != old_device.split(" (")[0]:
+        (new_device, new_date), (old_device, old_date) = _run(rerun), _run(committed)
+        print(f"{name}: rerun on {new_device} ({new_date}), against {old_device} ({old_date})")
+        if new_device != old_device:
             print("  other GPUs: the ratios compare the GPUs as much as the code")
         entries = compare(rerun, committed, table)
         shared = len(rerun.keys() & committed.keys())

@@ -26,6 +26,11 @@ def row(codec, batch, graph, python=None, status="ok", device="GPU A", **kw):
                 time_ms=graph if python is None else python, host_ms="", device=device, date="2026-12-05", **kw)
 
 
+def entries(new: pathlib.Path, old: pathlib.Path, name="decode_attention.csv") -> list[dict]:
+    table = compare.TABLES[name]
+    return compare.compare(compare.read_points(new / name, table), compare.read_points(old / name, table), table)
+
+
 def test_every_committed_results_file_compares_with_itself(capsys):
     """Each registered file is read (its point columns exist, no point twice) and equals itself."""
     assert compare.main([str(ROOT / "results"), "--tolerance", "0"]) == 0
@@ -39,16 +44,13 @@ def test_ratios_per_group_and_the_tolerance(tmp_path, capsys):
     old = write(tmp_path / "old", [row("mse", 1, 1.0), row("mse", 8, 2.0), row("affine", 1, 1.0), row("affine", 8, 4.0)])
     new = write(tmp_path / "new", [row("mse", 1, 1.02, python=3.0), row("mse", 8, 2.02), row("affine", 1, 1.3),
                                    row("affine", 8, 4.0), row("centered", 1, 9.0)])
-    entries = {(e["group"], e["column"]): e for e in compare.compare(
-        compare.read_points(new / "decode_attention.csv", compare.TABLES["decode_attention.csv"]),
-        compare.read_points(old / "decode_attention.csv", compare.TABLES["decode_attention.csv"]),
-        compare.TABLES["decode_attention.csv"])}
-    mse = entries[("mse, 4, 4", "time_graph_ms")]
+    by = {(e["group"], e["column"]): e for e in entries(new, old)}
+    mse = by[("mse, 4, 4", "time_graph_ms")]
     assert mse["points"] == 2 and mse["kind"] == "device" and mse["median"] == pytest.approx(1.015)
-    assert entries[("mse, 4, 4", "time_ms")]["kind"] == "python"
-    assert entries[("mse, 4, 4", "time_ms")]["high"] == pytest.approx(3.0)
-    assert entries[("affine, 4, 4", "time_graph_ms")]["low"] == pytest.approx(1.0)
-    assert not any(g == "centered, 4, 4" for g, _ in entries)  # only in the rerun
+    assert by[("mse, 4, 4", "time_ms")]["kind"] == "python"
+    assert by[("mse, 4, 4", "time_ms")]["high"] == pytest.approx(3.0)
+    assert by[("affine, 4, 4", "time_graph_ms")]["low"] == pytest.approx(1.0)
+    assert not any(g == "centered, 4, 4" for g, _ in by)  # only in the rerun
     assert compare.main([str(new), "--against", str(old), "--tolerance", "0.2"]) == 0
     assert "1 only in the rerun" in capsys.readouterr().out
     assert compare.main([str(new), "--against", str(old), "--tolerance", "0.05"]) == 1  # affine's median: 1.15
@@ -71,9 +73,7 @@ def test_eager_generation_steps_are_python_times(tmp_path):
             for m, t in (("eager", 10.0), ("graph", 5.0))]
     old = write(tmp_path / "old", rows, "generate.csv", fields)
     new = write(tmp_path / "new", [dict(r, ms_per_step=2 * float(r["ms_per_step"])) for r in rows], "generate.csv", fields)
-    table = compare.TABLES["generate.csv"]
-    kinds = {e["group"]: e["kind"] for e in compare.compare(compare.read_points(new / "generate.csv", table),
-                                                            compare.read_points(old / "generate.csv", table), table)}
+    kinds = {e["group"]: e["kind"] for e in entries(new, old, "generate.csv")}
     assert kinds == {"kvlab mse k4v4, eager": "python", "kvlab mse k4v4, graph": "device"}
 
 
@@ -81,10 +81,7 @@ def test_rows_not_ok_and_empty_times_are_left_out(tmp_path):
     old = write(tmp_path / "old", [row("mse", 1, 1.0), row("mse", 8, 1.0), row("mse", 32, "")])
     new = write(tmp_path / "new", [row("mse", 1, 1.0), row("mse", 8, 50.0, status="skipped: out of memory"),
                                    row("mse", 32, 2.0)])
-    table = compare.TABLES["decode_attention.csv"]
-    entries = compare.compare(compare.read_points(new / "decode_attention.csv", table),
-                              compare.read_points(old / "decode_attention.csv", table), table)
-    graph = [e for e in entries if e["column"] == "time_graph_ms"]
+    graph = [e for e in entries(new, old) if e["column"] == "time_graph_ms"]
     assert len(graph) == 1 and graph[0]["points"] == 1 and graph[0]["median"] == 1.0
 
 
