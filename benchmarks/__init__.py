@@ -8,6 +8,9 @@ writing CSV/JSON (device, versions, date, command) under ``results/``. Run from 
 * ``bench_transform``: the transform codec's store and decode against the MSE codec and SDPA.
 * ``bench_generate``: whole-model decode steps through ``kvlab.generate`` against transformers' fastest fp16 generation.
 * ``ncu_store`` / ``ncu_load`` / ``ncu_decode``: one call under Nsight Compute, summarised; ``sass_profile``: what
-  the compiler makes of each kernel (no GPU needed). ``common``: timing, test runs and CSV writing they share;
-  ``baselines/``: the simpler kernels the codec benchmark compares against.
+  the compiler makes of each kernel (no GPU needed).
+* ``compare``: a rerun's timings against the committed ones; ``kernel_fingerprint``: the device code of every
+  launch the benchmarks time, compiled on any machine (``compile_only``), to compare two checkouts without a GPU.
+* ``common``: timing, test runs and CSV writing they share; ``baselines/``: the simpler kernels the codec
+  benchmark compares against.
 """
