@@ -1,7 +1,8 @@
 """Fingerprints of the device code the GPU benchmarks time, made on any machine (no GPU needed).
 
-Every launch that ``bench_decode`` (its batch x context grid), ``bench_codecs`` (store, load, encode, decode at 1
-and 4 M vectors) and ``bench_transform`` (its decode points) time with the library's defaults is compiled for
+Every launch that ``bench_decode`` (its batch x context grid), ``bench_generate`` (the attention of its decode steps,
+``DecodeStep``), ``bench_codecs`` (store, load, encode, decode at 1 and 4 M vectors) and ``bench_transform`` (its
+decode points) time with the library's defaults is compiled for
 an H100/H200 (sm_90) by ``benchmarks.compile_only`` and recorded: the kernel, its grid, its launch options, a
 hash of its runtime arguments (scalars' values, tensors' dtypes, shapes and strides) and a hash of its SASS
 (``nvdisasm``, with the instructions' encodings, so scheduling too; addresses and the kernel's name left out).
@@ -37,7 +38,7 @@ import triton  # noqa: E402
 
 from benchmarks import compile_only  # noqa: E402
 
-GROUPS = ("decode", "codecs", "transform")
+GROUPS = ("decode", "step", "codecs", "transform")
 _sass_of: dict[str, tuple[str, int]] = {}
 
 
@@ -71,6 +72,8 @@ class Recorder:
         self.current: list[dict] | None = None
 
     def __call__(self, fn, kernel, grid, args, seconds) -> None:
+        if self.current is None:  # a launch outside the points (a step's preparation)
+            return
         sass, instructions = sass_hash(kernel)
         md = kernel.metadata
         self.current.append(dict(
@@ -84,6 +87,7 @@ class Recorder:
         self.current = self.points[label] = []
         call()
         print(f"{label}: " + ", ".join(f"{x['kernel']} {x['sass']}" for x in self.current), flush=True)
+        self.current = None
 
 
 def decode_points(rec: Recorder, quick: bool) -> None:
@@ -101,6 +105,32 @@ def decode_points(rec: Recorder, quick: bool) -> None:
             q = torch.randn(b, B.HQ, B.DIM, dtype=torch.float16)
             rec.point(f"decode_attention {kind} k{kb}v{vb} batch {b} context {L}",
                       lambda: decode_attention(q, cache, table, lens, kc, vc, check=False))
+
+
+def step_points(rec: Recorder, quick: bool) -> None:
+    """The attention of ``bench_generate``'s decode steps: a ``DecodeStep`` per format and grid point (its first call,
+    which compiles; later calls replay the same kernels), at the benchmark model's attention shape."""
+    from benchmarks import bench_generate as G
+    from benchmarks.bench_decode import BLOCK, DIM, HKV, HQ
+    from kvlab import AffineCodec, MSECodec, MSESlot
+    from kvlab.attention.api import DecodeStep
+    from kvlab.layout import AffineSlot
+
+    for name, fmt in G.FORMATS.items():  # the codecs and slot layout of a PagedKVCache of the format
+        if fmt.codec == "mse":
+            kc, vc = (MSECodec(DIM, bits, rotation=fmt.rotation, seed=fmt.seed) for bits in (fmt.key_bits, fmt.value_bits))
+            slot_bytes = MSESlot(DIM, fmt.key_bits, fmt.value_bits).slot_bytes
+        else:
+            kc, vc = (AffineCodec(bits, fmt.group_size, "token") for bits in (fmt.key_bits, fmt.value_bits))
+            slot_bytes = AffineSlot(DIM, fmt.key_bits, fmt.value_bits, fmt.group_size).slot_bytes
+        for b, context in [(8, 32768)] if quick else G.GRID:
+            blocks = b * (context + BLOCK) // BLOCK
+            cache = torch.empty(blocks, BLOCK, HKV, slot_bytes, dtype=torch.uint8)
+            table = torch.randperm(blocks).to(torch.int32).view(b, -1)
+            lens = torch.full((b,), context, dtype=torch.int32)
+            q = torch.randn(b, HQ, DIM, dtype=torch.float16)
+            step = DecodeStep(q, cache, table, lens, kc, vc)
+            rec.point(f"decode step {name} batch {b} context {context}", lambda: step(q))
 
 
 def codec_points(rec: Recorder, quick: bool) -> None:
@@ -212,7 +242,7 @@ def main(argv=None) -> int:
     rec = Recorder()
     compile_only.install(rec)
     for group in only:
-        dict(decode=decode_points, codecs=codec_points, transform=transform_points)[group](rec, args.quick)
+        dict(decode=decode_points, step=step_points, codecs=codec_points, transform=transform_points)[group](rec, args.quick)
     fingerprint["points"] = rec.points
     if args.out:
         Path(args.out).write_text(json.dumps(fingerprint, indent=1) + "\n")

@@ -60,7 +60,7 @@ def test_the_gpu_paths_compile_and_compare(quick, tmp_path):
 
 def test_bad_arguments_exit_2_naming_them(quick, tmp_path):
     bad = fingerprint("--only", "decode,prefill")
-    assert bad.returncode == 2 and "--only takes decode, codecs, transform" in bad.stderr
+    assert bad.returncode == 2 and "--only takes decode, step, codecs, transform" in bad.stderr
     junk = tmp_path / "junk.json"
     junk.write_text("[1, 2]")
     for against, words in ((junk, "is not a fingerprint"), (tmp_path / "missing.json", "is not a fingerprint")):
