@@ -5,7 +5,8 @@ Every launch that ``bench_decode`` (its batch x context grid), ``bench_generate`
 decode points) time with the library's defaults is compiled for
 an H100/H200 (sm_90) by ``benchmarks.compile_only`` and recorded: the kernel, its grid, its launch options, a
 hash of its runtime arguments (scalars' values, tensors' dtypes, shapes and strides) and a hash of its SASS
-(``nvdisasm``, with the instructions' encodings, so scheduling too; addresses and the kernel's name left out).
+(``nvdisasm``, with the instructions' encodings, so scheduling too; addresses and the kernel's name left out);
+between the launches, the torch operations that do device work (a clamp, a cast, a copy), by name.
 
 Two checkouts with the same fingerprint at a point run the same instructions on the same grid there, so a GPU
 timing of one is a timing of the other, on any sm_90 GPU. A change that should leave the kernels alone can be
@@ -34,6 +35,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import torch.utils._python_dispatch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks import compile_only  # noqa: E402
@@ -64,8 +66,29 @@ def _arg(v):
     return v if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
 
 
+# torch operations that launch no device work: allocations and views
+_NO_DEVICE_WORK = {"empty", "empty_like", "empty_strided", "view", "_unsafe_view", "reshape", "as_strided", "t",
+                   "transpose", "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "detach", "alias",
+                   "lift_fresh", "split", "unbind", "chunk", "narrow", "diagonal", "view_as_real", "view_as_complex",
+                   "_reshape_alias", "unflatten", "flatten", "resize_", "set_", "is_same_size", "_local_scalar_dense"}
+
+
+class _TorchOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The torch operations run between the launches (a clamp, a cast, a copy: device work a GPU runs too)."""
+
+    def __init__(self, rec):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.rec.current is not None and name not in _NO_DEVICE_WORK:
+            self.rec.current.append(dict(torch=name))
+        return func(*args, **(kwargs or {}))
+
+
 class Recorder:
-    """The launches of each point, in order."""
+    """The launches of each point, in order, with the torch operations between them."""
 
     def __init__(self):
         self.points: dict[str, list[dict]] = {}
@@ -83,10 +106,16 @@ class Recorder:
             args=hashlib.sha256(json.dumps({k: _arg(v) for k, v in args.items()}, default=str).encode()).hexdigest()[:16],
             sass=sass, instructions=instructions))
 
-    def point(self, label: str, call) -> None:
+    def point(self, label: str, call, warm: bool = True) -> None:
+        """Record ``call``; with ``warm``, a call made before it fills the caches (device tables, compiled kernels)
+        first, so that what is recorded is every later call's work."""
+        if warm:
+            call()
         self.current = self.points[label] = []
-        call()
-        print(f"{label}: " + ", ".join(f"{x['kernel']} {x['sass']}" for x in self.current), flush=True)
+        with _TorchOps(self):
+            call()
+        print(f"{label}: " + ", ".join(f"{x['kernel']} {x['sass']}" if "kernel" in x else x["torch"]
+                                       for x in self.current), flush=True)
         self.current = None
 
 
@@ -130,7 +159,7 @@ def step_points(rec: Recorder, quick: bool) -> None:
             lens = torch.full((b,), context, dtype=torch.int32)
             q = torch.randn(b, HQ, DIM, dtype=torch.float16)
             step = DecodeStep(q, cache, table, lens, kc, vc)
-            rec.point(f"decode step {name} batch {b} context {context}", lambda: step(q))
+            rec.point(f"decode step {name} batch {b} context {context}", lambda: step(q), warm=False)  # later: replays
 
 
 def codec_points(rec: Recorder, quick: bool) -> None:
@@ -202,11 +231,12 @@ def compare(old: dict, new: dict) -> list[str]:
         if a is None or b is None:
             out.append(f"{label}: only in the {'new' if a is None else 'old'} fingerprint")
             continue
-        if [x["kernel"] for x in a] != [x["kernel"] for x in b]:
-            out.append(f"{label}: launches {[x['kernel'] for x in a]} -> {[x['kernel'] for x in b]}")
+        names = [[x.get("kernel") or "torch." + x["torch"] for x in p] for p in (a, b)]
+        if names[0] != names[1]:
+            out.append(f"{label}: launches {', '.join(names[0])} -> {', '.join(names[1])}")
             continue
         for x, y in zip(a, b):
-            what = [k for k in ("sass", "grid", "options", "args") if x[k] != y[k]]
+            what = [k for k in ("sass", "grid", "options", "args") if x.get(k) != y.get(k)]
             if what:
                 out.append(f"{label}: {x['kernel']} differs in {', '.join(what)}"
                            + (f" ({x['instructions']} -> {y['instructions']} SASS instructions)" if "sass" in what else ""))
