@@ -39,6 +39,7 @@ import torch.utils._python_dispatch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks import compile_only  # noqa: E402
+from benchmarks.sass_profile import triton_tool  # noqa: E402
 
 GROUPS = ("decode", "step", "codecs", "transform")
 _sass_of: dict[str, tuple[str, int]] = {}
@@ -49,11 +50,11 @@ def sass_hash(kernel) -> tuple[str, int]:
     cubin = kernel.asm["cubin"]
     key = hashlib.sha256(cubin).hexdigest()
     if key not in _sass_of:
-        nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "k.cubin"
             path.write_bytes(cubin)
-            text = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True, check=True).stdout
+            text = subprocess.run([triton_tool("nvdisasm"), "-c", str(path)], capture_output=True, text=True,
+                                  check=True).stdout
         lines = [re.sub(r"/\*[0-9a-f]{4,}\*/", "", ln).replace(kernel.metadata.name, "KERNEL").rstrip()
                  for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("//")]
         _sass_of[key] = (hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16], sum(";" in ln for ln in lines))
@@ -139,22 +140,21 @@ def decode_points(rec: Recorder, quick: bool) -> None:
 def step_points(rec: Recorder, quick: bool) -> None:
     """The attention of ``bench_generate``'s decode steps: a ``DecodeStep`` per format and grid point (its first call,
     which compiles; later calls replay the same kernels), at the benchmark model's attention shape."""
+    from transformers import LlamaConfig
+
     from benchmarks import bench_generate as G
     from benchmarks.bench_decode import BLOCK, DIM, HKV, HQ
-    from kvlab import AffineCodec, MSECodec, MSESlot
+    from kvlab import PagedKVCache
     from kvlab.attention.api import DecodeStep
-    from kvlab.layout import AffineSlot
 
-    for name, fmt in G.FORMATS.items():  # the codecs and slot layout of a PagedKVCache of the format
-        if fmt.codec == "mse":
-            kc, vc = (MSECodec(DIM, bits, rotation=fmt.rotation, seed=fmt.seed) for bits in (fmt.key_bits, fmt.value_bits))
-            slot_bytes = MSESlot(DIM, fmt.key_bits, fmt.value_bits).slot_bytes
-        else:
-            kc, vc = (AffineCodec(bits, fmt.group_size, "token") for bits in (fmt.key_bits, fmt.value_bits))
-            slot_bytes = AffineSlot(DIM, fmt.key_bits, fmt.value_bits, fmt.group_size).slot_bytes
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=HQ * DIM, num_attention_heads=HQ, num_key_value_heads=HKV,
+                         head_dim=DIM)
+    for name, fmt in G.FORMATS.items():
+        paged = PagedKVCache(fmt, config=config, batch_size=1, max_length=BLOCK, device="cpu", backend="reference")
+        kc, vc = paged.key_codec, paged.value_codec  # the codecs and slot layout a PagedKVCache of the format makes
         for b, context in [(8, 32768)] if quick else G.GRID:
             blocks = b * (context + BLOCK) // BLOCK
-            cache = torch.empty(blocks, BLOCK, HKV, slot_bytes, dtype=torch.uint8)
+            cache = torch.empty(blocks, BLOCK, HKV, paged.slot_bytes, dtype=torch.uint8)
             table = torch.randperm(blocks).to(torch.int32).view(b, -1)
             lens = torch.full((b,), context, dtype=torch.int32)
             q = torch.randn(b, HQ, DIM, dtype=torch.float16)

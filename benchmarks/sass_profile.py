@@ -222,7 +222,8 @@ def _record(out: str, only: set[str]) -> None:
 # ----------------------------------------------------------------------------- step 2: compile and count
 
 
-def _bin(name: str) -> str:
+def triton_tool(name: str) -> str:
+    """The path of a CUDA tool that ships with the triton wheel (``ptxas``, ``nvdisasm``, ``cuobjdump``)."""
     import triton
 
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
@@ -257,8 +258,8 @@ def _sass(launch: dict) -> tuple[str, str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([_bin("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+        sass = subprocess.run([triton_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([triton_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
     return sass, usage, compiled.metadata.shared
 
