@@ -55,7 +55,8 @@ def dequantize(codec: TransformCodec, codes: torch.Tensor, gain: torch.Tensor) -
 def pack(codec: TransformCodec, codes: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     """``codes [..., groups, dim]``, ``gain [..., groups]`` -> rows ``[..., row_bytes]`` uint8."""
     lead = codes.shape[:-2]
-    out = torch.zeros(*lead, codec.row_bytes + 1, dtype=torch.int64, device=codes.device)
+    # two spare bytes: a code that straddles the row's last byte, and a zero-bit component at the row's very end
+    out = torch.zeros(*lead, codec.row_bytes + 2, dtype=torch.int64, device=codes.device)
     offsets = codec.offsets.to(codes.device)
     for g, (start, nbytes) in enumerate(zip(codec.group_offsets, codec.group_bytes)):
         bit = offsets[g]
@@ -74,7 +75,7 @@ def pack(codec: TransformCodec, codes: torch.Tensor, gain: torch.Tensor) -> torc
 def unpack(codec: TransformCodec, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``pack``: rows ``[..., row_bytes]`` -> ``(codes [..., groups, dim] int64, gain [..., groups] fp16)``."""
     lead = rows.shape[:-1]
-    r = torch.cat([rows.long(), torch.zeros(*lead, 1, dtype=torch.int64, device=rows.device)], -1)
+    r = torch.cat([rows.long(), torch.zeros(*lead, 2, dtype=torch.int64, device=rows.device)], -1)  # as in pack
     offsets = codec.offsets.to(rows.device)
     bits = codec.bits.long().to(rows.device)
     codes, gain = [], []

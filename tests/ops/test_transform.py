@@ -10,7 +10,7 @@ from kvlab.transform import api
 from kvlab.transform import reference as R
 from kvlab.transform.triton import load_transform, store_transform
 
-SHAPES = [  # groups, dim, bits ("0-8": random widths up to 8, or one width for every component), gain, tokens
+SHAPES = [  # groups, dim, bits ("0-8": random widths up to 8, "4|0": halves of two widths, or one width), gain, tokens
     (1, 7, "0-3", True, 1),
     (3, 64, "0-4", True, 63),
     (1, 192, "0-8", True, 130),
@@ -20,6 +20,8 @@ SHAPES = [  # groups, dim, bits ("0-8": random widths up to 8, or one width for 
     (3, 64, "8", True, 63),
     (4, 16, "0", True, 9),  # no code bits: rows of gains only
     (3, 7, "0-2", False, 63),
+    (1, 8, "4|0", False, 21),  # whole bytes of codes, then components of no bits at the row's end
+    (2, 16, "2|0", True, 5),
 ]
 
 
@@ -27,7 +29,11 @@ def random_codec(groups, dim, bits, gain, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, _ = torch.linalg.qr(torch.randn(groups, dim, dim, generator=g, dtype=torch.float64))
     q = q.float() * (torch.rand(groups, 1, dim, generator=g) * 2 + 0.1)
-    if "-" in bits:
+    if "|" in bits:  # the first half of the components one width, the second half another
+        first, second = map(int, bits.split("|"))
+        high = max(first, second)
+        width = torch.tensor([first] * (dim // 2) + [second] * (dim - dim // 2)).expand(groups, dim).contiguous()
+    elif "-" in bits:
         low, high = map(int, bits.split("-"))
         width = torch.randint(low, high + 1, (groups, dim), generator=g)
         width[0, 0] = high

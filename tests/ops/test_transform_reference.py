@@ -31,6 +31,22 @@ def test_pack_unpack_round_trip(groups, dim, max_bits, gain):
     assert torch.equal(g2.view(torch.int16), gain_t.view(torch.int16))
 
 
+@pytest.mark.parametrize("gain", [False, True])
+def test_rows_of_whole_bytes_ending_in_components_of_no_bits(gain):
+    """Codes that fill whole bytes, then components of 0 bits: nothing is read or written past the row."""
+    bits = torch.tensor([[4, 4, 4, 4, 0, 0, 0, 0]])
+    books = torch.sort(torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(5)), -1).values
+    codec = TransformCodec(torch.zeros(1, 8), torch.eye(8)[None], torch.eye(8)[None], bits, books, gain)
+    assert codec.row_bytes == 2 + 2 * gain
+    x = torch.randn(9, 8, generator=torch.Generator().manual_seed(6))
+    codes, g = R.quantize(codec, R.transform(codec, x))
+    rows = R.pack(codec, codes, g)
+    assert rows.shape == (9, codec.row_bytes)
+    c2, g2 = R.unpack(codec, rows)
+    assert torch.equal(c2, codes) and torch.equal(g2.view(torch.int16), g.view(torch.int16))
+    assert torch.equal(R.decode(codec, rows), R.untransform(codec, R.dequantize(codec, codes, g)))
+
+
 def test_slot_layout_is_a_little_endian_bit_stream():
     bits = torch.tensor([[3, 0, 5, 8]])
     codec = TransformCodec(torch.zeros(1, 4), torch.eye(4)[None], torch.eye(4)[None], bits,
