@@ -4,7 +4,10 @@
 Hadamard rotations at 2, 3 and 4 bits, the centred MSE key codec with and without RoPE, affine at 2, 3,
 4 and 8 bits on the token and channel axes) and hashes the codes. A committed result that was measured
 with the codecs records the fingerprint it was measured under; ``tests/test_results.py`` fails when the
-codecs' bytes change and such a result was not measured again.
+codecs' bytes change and such a result was not measured again. The Haar rotation is a float32 matrix
+product, whose last bits depend on the path the CPU's matrix products take (MKL's AVX-512, AVX2 or
+reproducible path): the vectors are those whose codes and fp16 scales lie at least ``MARGIN`` from a
+decision, judged in float64, so that every path writes the same bytes for them.
 
 ``source_fingerprint(notebook)`` hashes the code a run of a page executed: the page's cells (not its outputs)
 and every Python file of the ``kvlab`` package. ``scripts/run_notebooks.py --record`` stores it with each
@@ -36,9 +39,55 @@ def _vectors(tokens: int = 64, heads: int = 3, dim: int = 64) -> torch.Tensor:
     return x + torch.randn(heads, dim, generator=g)  # a mean per channel
 
 
+MARGIN = 1e-5  # far beyond the float32 rounding in which two floating-point paths differ (about 1e-7)
+
+
+def _decided_with_margin(codec: MSECodec, z: torch.Tensor) -> torch.Tensor:
+    """``[...]`` bool: tokens ``z [..., dim]`` whose Haar codes and fp16 scale lie at least ``MARGIN`` from a decision
+    (a boundary or zero for a normalised coordinate, a rounding midpoint of fp16 for the scale), judged in float64."""
+    y = z.double() @ codec.rotation.double()
+    norm = y.square().sum(-1).sqrt()
+    unit = y / norm.unsqueeze(-1)
+    half = 1 << (codec.bits - 1)
+    positive = codec.boundaries[half:].double()
+    clear = (unit.abs() > MARGIN) & ((unit.abs().unsqueeze(-1) - positive).abs() > MARGIN).all(-1)
+    m = torch.bucketize(unit.abs(), positive)
+    scale = norm / codec.codebook.double()[torch.where(unit > 0, m, half + m)].square().sum(-1).sqrt()
+    steady = (scale * (1 - MARGIN)).to(torch.float16) == (scale * (1 + MARGIN)).to(torch.float16)
+    return clear.all(-1) & steady
+
+
+def _fingerprint_vectors(tokens: int = 64, heads: int = 3, dim: int = 64):
+    """The first ``tokens`` of a fixed random set (``_vectors``) whose codes every Haar codec of the fingerprint
+    decides with ``MARGIN`` to spare, and their positions in that set (the RoPE-centred codec's positions)."""
+    x = _vectors(8 * tokens, heads, dim)
+    positions = torch.arange(x.shape[0])
+    keep = torch.ones(x.shape[0], dtype=torch.bool)
+    for bits in (2, 3, 4):
+        keep &= _decided_with_margin(MSECodec(dim, bits, rotation="haar"), x).all(-1)
+        for codec, z in _centred_codecs(x, bits, positions):
+            keep &= _decided_with_margin(codec.mse, z).all(-1)
+    chosen = keep.nonzero().flatten()[:tokens]
+    if chosen.numel() < tokens:
+        raise RuntimeError(f"only {chosen.numel()} of {x.shape[0]} vectors are decided with margin {MARGIN}")
+    return x[chosen], positions[chosen]
+
+
+def _centred_codecs(x: torch.Tensor, bits: int, positions: torch.Tensor):
+    """The fingerprint's two centred codecs at ``bits`` and what each hands its MSE codec for ``x``. Their mean and
+    scale come from the first 64 vectors of ``_vectors``, whichever vectors are coded."""
+    base = _vectors()
+    dim = x.shape[-1]
+    mean, scale = base.mean(0), base.std(0) + 0.5
+    rope = RoPE(1e4 ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    plain = CenteredMSECodec(dim, bits, mean, scale)
+    turned = CenteredMSECodec(dim, bits, mean, scale, rope=rope)
+    return [(plain, plain.normalize(x)), (turned, turned.normalize(x, positions))]
+
+
 def codec_fingerprint() -> str:
     """SHA-256 (hex, 16 characters) of the codes every reference codec writes for one fixed input."""
-    x = _vectors()
+    x, positions = _fingerprint_vectors()
     tokens, heads, dim = x.shape
     h = hashlib.sha256()
 
@@ -49,12 +98,10 @@ def codec_fingerprint() -> str:
     for rotation in ("haar", "hadamard"):
         for bits in (2, 3, 4):
             add(f"mse {rotation} {bits}", MSECodec(dim, bits, rotation=rotation).encode(x))
-    mean, scale = x.mean(0), x.std(0) + 0.5
-    rope = RoPE(1e4 ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    positions = torch.arange(tokens)
     for bits in (2, 3, 4):
-        add(f"centered {bits}", CenteredMSECodec(dim, bits, mean, scale).encode(x))
-        add(f"centered rope {bits}", CenteredMSECodec(dim, bits, mean, scale, rope=rope).encode(x, positions))
+        (plain, _), (turned, _) = _centred_codecs(x, bits, positions)
+        add(f"centered {bits}", plain.encode(x))
+        add(f"centered rope {bits}", turned.encode(x, positions))
     for bits in (2, 3, 4, 8):
         add(f"affine token {bits}", AffineCodec(bits, 32, "token").encode(x.transpose(0, 1)))
         add(f"affine channel {bits}", AffineCodec(bits, 32, "channel").encode(x.transpose(0, 1)))

@@ -14,7 +14,7 @@ from typing import Callable
 from ..hf.cache import KVCache
 from ..hf.formats import KVFormat
 
-__all__ = ["NAMES", "SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "describe"]
+__all__ = ["NAMES", "SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "committed_windows", "describe", "first_windows"]
 
 SECOND_MODEL_FORMATS = {
     "fp16": (KVFormat("fp16"), {}),
@@ -60,3 +60,31 @@ def describe(name: str) -> str:
         return repr(fmt) + "".join(f", {k}={v}" for k, v in options.items())
     options = "".join(f", {k}={v}" for k, v in TRANSFORM_OPTIONS.items())
     return f"KVFormat('transform'), transform=calibrate(model, ids, bits={TRANSFORM_BITS[name]}, keys='post_rope'){options}"
+
+
+def first_windows(model, ids, caches, windows: int, stride: int, bos: int | None = None) -> dict[str, float]:
+    """name -> perplexity change (%) against ``"fp16"`` over the first ``windows`` windows of ``ids`` (``2 * stride``
+    tokens each, sliding by ``stride``, ``stride`` scored tokens each): the committed run's protocol, window by window
+    (page 16's live run and its check across floating-point paths, ``tests/test_fp_paths.py``)."""
+    import math
+
+    from ..hf.model import perplexity
+
+    if "fp16" not in caches:
+        raise ValueError(f"caches must hold the baseline 'fp16', got {sorted(caches)}")
+    nll = {name: 0.0 for name in caches}
+    for w in range(windows):
+        r = perplexity(model, ids[w * stride : w * stride + 2 * stride], window=2 * stride, stride=stride, cache=caches,
+                       bos=bos)
+        for name, x in r.items():
+            nll[name] += x.nll * x.tokens
+    return {name: 100 * math.expm1((nll[name] - nll["fp16"]) / (windows * stride)) for name in caches}
+
+
+def committed_windows(per_window: dict, names, windows: int, stride: int, text: str = "pydoc") -> dict[str, float]:
+    """name -> the same change (%) over the first ``windows`` windows of ``text`` in a committed run's ``per_window``."""
+    import math
+
+    base = per_window[text]["fp16"]["nll"][:windows]
+    return {name: 100 * math.expm1(sum(a - b for a, b in zip(per_window[text][name]["nll"][:windows], base))
+                                   / (windows * stride)) for name in names}
