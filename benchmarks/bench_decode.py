@@ -23,7 +23,9 @@ replayed from a CUDA graph (``do_bench_cudagraph``, as serving engines run decod
 host's share, and the host time per call is recorded (calls enqueued back to back).
 
 Bytes counted are those each kernel must read: the packed slots of every cached token (``slot_bytes``
-per token and KV head) for the quantized cache, the fp16 K and V for SDPA. The quantized caches hold
+per token and KV head) for the quantized cache, the fp16 K and V for SDPA. Those bytes at the run's measured copy
+bandwidth are each point's byte floor (``floor_ms``); each row's share of it is ``frac_copy`` for the call from
+Python and ``share_of_floor_graph`` for the graph replay. The quantized caches hold
 random codes (valid fp16 norms, scales and zeros) in shuffled physical blocks of 16 tokens; grid
 points that do not fit in memory are recorded as skipped.
 
@@ -259,7 +261,7 @@ def correctness_checks(codec_list=CODECS):
 
 CSV_KEYS = ["codec", "key_bits", "value_bits", "batch", "context", "num_q_heads", "num_kv_heads", "dim", "status",
             "time_ms", "bytes", "gbps", "frac_copy", "speedup_vs_sdpa", "config",
-            "time_graph_ms", "speedup_graph_vs_sdpa", "host_ms"]
+            "time_graph_ms", "speedup_graph_vs_sdpa", "host_ms", "floor_ms", "share_of_floor_graph"]
 
 
 def write_results(out: Path, rows, meta, name="decode_attention"):
@@ -446,6 +448,9 @@ def main():
             if r.get("status") == "ok":
                 r["gbps"] = r["bytes"] / r["time_ms"] / 1e6
                 r["frac_copy"] = r["gbps"] / meta["copy_gbps"]
+                r["floor_ms"] = r["bytes"] / meta["copy_gbps"] / 1e6
+                if r.get("time_graph_ms"):
+                    r["share_of_floor_graph"] = r["floor_ms"] / r["time_graph_ms"]
                 sp = r.get("speedup_vs_sdpa")
                 spg, gms = r.get("speedup_graph_vs_sdpa"), r.get("time_graph_ms")
                 print(f"B={b:3d} L={L:6d} {r['codec']:9s} k{r['key_bits']}v{r['value_bits']} {r['time_ms']:8.4f} ms "

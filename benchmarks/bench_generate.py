@@ -4,24 +4,39 @@ A Llama at the Llama-3-8B shape (32 layers, hidden 4096, 32 query heads, 8 KV he
 vocab 32000 here) with random fp16 weights made on the GPU: no download. A decode step's time does not
 depend on the cached values, so each cache is filled straight with ``context`` random tokens (kvlab
 caches: random keys and values through the store kernel; transformers' caches: random tensors through
-``update``), then ``steps`` greedy decode steps run, each timed with CUDA events; the median is reported.
+``update``), then ``steps`` greedy decode steps run (16 for a step called from Python), each timed with CUDA
+events; the median is reported.
 
 Rows, at every (batch, context) point of the grid, in one run:
+- ``fp16 roofline``: the fastest fp16 step built here (``RooflineStep``): the same weights (Q/K/V and gate/up
+  each one matrix), keys and values preallocated as ``StaticCache`` holds them, attention = torch SDPA over the
+  filled length only (no mask; at each point the fastest of SDPA's forms and backends, named in ``config``), the
+  whole step replayed from a CUDA graph; ``fp16 roofline compiled`` (with ``--compiled``): the same with the work
+  before and after the attention compiled by ``torch.compile`` (one function each, shared by the 32 layers). The
+  script's checks compare its logits with transformers' ``StaticCache`` step;
 - ``fp16 DynamicCache``: transformers' default cache, SDPA, eager (what ``model.generate`` does);
 - ``fp16 StaticCache``: transformers' static cache, SDPA, eager and replayed from a CUDA graph (the
   whole step captured once: the fastest fp16 decode transformers offers without a compiler);
 - kvlab formats (``PagedKVCache``, attention ``"kvlab"``: ``decode_attention`` on the codes), eager
   and CUDA graph;
-- with ``--compiled``: ``fp16 StaticCache compiled`` (``torch.compile`` of the whole forward, Inductor,
-  then the step captured in a CUDA graph) and ``<kvlab format> compiled`` (the decoder layers compiled
-  around kvlab's attention, ``kvlab.generate(..., compile=True)``, then the CUDA graph).
+- with ``--compiled``: ``<kvlab format> compiled`` (the decoder layers compiled around kvlab's attention,
+  ``kvlab.generate(..., compile=True)``, then the CUDA graph); ``fp16 StaticCache compiled`` (``torch.compile``
+  of the whole forward, Inductor, then the step captured in a CUDA graph) only when ``--names`` asks for it.
+The run measures the device's copy bandwidth (``copy_gbps``: a 4 GiB device-to-device copy, bytes read and
+written, the best of five medians) and gives every row its byte floor, ``floor_ms``: the bytes a step must read
+(the weights, the embedding's rows of the batch only, and the keys and values of the filled length in the row's
+format) at that bandwidth, and ``share_of_floor`` = ``floor_ms`` / ``ms_per_step``. ``speedup_vs_fp16`` is
+against the fastest fp16 row of the point (``fp16_baseline`` names it), and ``byte_ceiling`` is the most a
+format could gain on bytes alone, (weights + fp16 KV) / (weights + its KV).
 Where a cache does not fit on the device, the row says so (``status=oom``). ``--capacity`` adds, for
 context 32k, the largest batch that fits in ``--budget-gib`` GiB for each cache (KV bytes per sequence
 and the weights; each kvlab figure checked by one decode step at that batch). Also measured: one
-prefill (batch 1, 4096 tokens), and checks (the fused path's tokens equal the materialising path's;
-graph replay equals eager; compiled layers against the graph) on a small random model.
+prefill (batch 1, 4096 tokens), and checks on a small random model (the fused path's tokens equal the
+materialising path's; graph replay equals eager; compiled layers against the graph; the roofline step's logits
+against transformers' ``StaticCache`` step's).
 
     python -m benchmarks.bench_generate --out results --compiled   # -> results/generate.csv, generate.json
+    python -m benchmarks.bench_generate --compiled --points 8:32768 --parts grid   # one point, no extras
     python -m benchmarks.bench_generate --smoke                # tiny shapes, a quick check of the script
 """
 
@@ -51,10 +66,12 @@ FORMATS = {
     "kvlab affine k4v4": KVFormat("affine", 4, 4),
 }
 COMPILED = "fp16 StaticCache compiled"
+ROOFLINE = "fp16 roofline"
 SUFFIX = " compiled"  # a kvlab row with this suffix: decoder layers compiled (kvlab.hf.generation.compiled_layers)
-GRID = [(1, 4096), (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 32768), (1, 131072)]
+GRID = [(1, 4096), (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 32768), (1, 131072), (8, 131072)]
 KEYS = ["cache", "mode", "batch", "context", "status", "ms_per_step", "tokens_per_s", "kv_gib", "peak_gib",
-        "speedup_vs_fp16", "fp16_baseline"]
+        "floor_ms", "share_of_floor", "speedup_vs_fp16", "fp16_baseline", "byte_ceiling", "config"]
+PARTS = ("grid", "capacity", "prefill", "checks")
 
 
 def llama(smoke: bool):
@@ -86,6 +103,200 @@ def kv_token_bytes(name: str, cfg) -> float:
     return 2 * FORMATS[name.removesuffix(SUFFIX)].bits_per_element(d) / 8 * d * h * n
 
 
+def weight_read_bytes(model, batch: int) -> int:
+    """Bytes of weights a decode step reads: every parameter, of the embedding table only the batch's rows."""
+    emb = model.get_input_embeddings().weight
+    return (sum(p.numel() * p.element_size() for p in model.parameters())
+            - emb.numel() * emb.element_size() + batch * emb.shape[1] * emb.element_size())
+
+
+def floor_ms(name: str, cfg, weight_bytes: int, batch: int, context: int, copy_gbps: float) -> float:
+    """The byte floor of a step (ms): the weights it reads and the keys and values of ``context`` tokens in the
+    row's format, at the measured copy bandwidth."""
+    return (weight_bytes + kv_token_bytes(name, cfg) * batch * context) / (copy_gbps * 1e6)
+
+
+def fuse_projections(model) -> None:
+    """Q/K/V and gate/up of every layer as one matrix each; the model's own projections become views of it
+    (the same values, no second copy). Idempotent."""
+    for layer in model.model.layers:
+        for owner, names, fused in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "roofline_qkv"),
+                                    (layer.mlp, ("gate_proj", "up_proj"), "roofline_gate_up")):
+            if hasattr(owner, fused):
+                continue
+            linears = [getattr(owner, n) for n in names]
+            assert all(lin.bias is None for lin in linears), "the roofline step takes projections without bias"
+            w = torch.cat([lin.weight.data for lin in linears])
+            start = 0
+            for lin in linears:
+                n = lin.weight.shape[0]
+                lin.weight.data = w[start:start + n]
+                start += n
+            setattr(owner, fused, w)
+
+
+def _rms(x, weight, eps: float):
+    """transformers' LlamaRMSNorm: in fp32, back to the input's dtype, times the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def before_attention(x, norm, eps: float, w_qkv, cos, sin, hq: int, hkv: int):
+    """RMSNorm, the Q/K/V product, RoPE: the query ``[B, Hkv, Hq/Hkv, D]`` (the query group of a KV head as
+    SDPA's query axis), the new key and value ``[B, Hkv, 1, D]``."""
+    b, d = x.shape[0], cos.shape[-1]
+    qkv = torch.nn.functional.linear(_rms(x, norm, eps), w_qkv).view(b, hq + 2 * hkv, d)
+    c, s = cos.view(b, 1, d), sin.view(b, 1, d)
+    q = _rope(qkv[:, :hq], c, s)
+    k = _rope(qkv[:, hq:hq + hkv], c, s)
+    return q.view(b, hkv, hq // hkv, d), k.unsqueeze(2), qkv[:, hq + hkv:].unsqueeze(2)
+
+
+def after_attention(x, attn, w_o, norm, eps: float, w_gate_up, w_down):
+    """The output projection and residual, RMSNorm, the gated MLP (gate and up one product) and residual."""
+    F = torch.nn.functional
+    h = x + F.linear(attn.reshape(x.shape[0], 1, -1), w_o)
+    gate, up = F.linear(_rms(h, norm, eps), w_gate_up).chunk(2, -1)
+    return h + F.linear(F.silu(gate) * up, w_down)
+
+
+_COMPILED = {}
+
+
+def _compiled(fn):
+    """``fn`` under ``torch.compile`` (Inductor, static shapes): one compilation per batch size, shared by every
+    layer and point."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED[fn]
+
+
+SDPA_FORMS = ("q group as query axis", "enable_gqa")
+SDPA_BACKENDS = ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+
+class RooflineStep:
+    """The fastest fp16 decode step built here, over the model's own weights (``fuse_projections``): keys and
+    values preallocated ``[batch, kv heads, max_len, head_dim]`` per layer as ``StaticCache`` holds them, the new
+    token's written at its position, and attention = torch SDPA over the filled length only (no mask: one query
+    token attends to every cached one). ``attention``: (form, backend) of the SDPA call (``SDPA_FORMS``,
+    ``SDPA_BACKENDS``); ``compile``: the work before and after the attention under ``torch.compile``.
+
+    A call takes the ids ``[batch, 1]`` and positions ``[batch, 1]`` (one position for the batch) and returns the
+    logits ``[batch, 1, vocab]``. The filled length is a Python number: a CUDA graph captures the step at one
+    length, and each replay writes the new token at the position it is given and attends over the length of the
+    capture (64 replays move a 32k context by 0.2 %: the bytes, not the values, set a step's time)."""
+
+    def __init__(self, model, batch: int, max_len: int, compile: bool = False,
+                 attention: tuple[str, str] = (SDPA_FORMS[0], "default")):
+        fuse_projections(model)
+        cfg = model.config
+        self.model, self.batch, self.compile, self.attention = model, batch, compile, attention
+        self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        w = model.get_input_embeddings().weight
+        shape = (batch, self.hkv, max_len, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in model.model.layers]
+        self.values = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in model.model.layers]
+        self.length = 0
+
+    def fill(self, keys, values) -> None:
+        """The same ``keys``, ``values`` ``[batch, kv heads, n, head_dim]`` as the first n tokens of every layer."""
+        n = keys.shape[2]
+        for k, v in zip(self.keys, self.values):
+            k[:, :, :n].copy_(keys)
+            v[:, :, :n].copy_(values)
+        self.length = n
+
+    def attend(self, q, layer: int, length: int):
+        """SDPA of the query ``[B, Hkv, G, D]`` over the first ``length`` tokens of a layer: ``[B, Hkv, G, D]``."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        k, v = self.keys[layer][:, :, :length], self.values[layer][:, :, :length]
+        form, backend = self.attention
+        if form == "enable_gqa":
+            b, hkv, g, d = q.shape
+            call = lambda: sdpa(q.reshape(b, hkv * g, 1, d), k, v, enable_gqa=True).view(b, hkv, g, d)  # noqa: E731
+        else:
+            call = lambda: sdpa(q, k, v)  # noqa: E731
+        if backend == "default":
+            return call()
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return call()
+
+    def __call__(self, ids, pos):
+        m = self.model.model
+        before = _compiled(before_attention) if self.compile else before_attention
+        after = _compiled(after_attention) if self.compile else after_attention
+        x = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb(x, pos)
+        at, length = pos[0], self.length + 1
+        for i, layer in enumerate(m.layers):
+            a, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            q, k, v = before(x, n1.weight, n1.variance_epsilon, a.roofline_qkv, cos, sin, self.hq, self.hkv)
+            self.keys[i].index_copy_(2, at, k)
+            self.values[i].index_copy_(2, at, v)
+            x = after(x, self.attend(q, i, length), a.o_proj.weight, n2.weight, n2.variance_epsilon,
+                      mlp.roofline_gate_up, mlp.down_proj.weight)
+        self.length = length
+        return self.model.lm_head(m.norm(x))
+
+    def fastest_attention(self) -> dict:
+        """Time every form and backend of the SDPA call on the first layer at the filled length; keep the fastest.
+        Returns the times (ms) by name."""
+        from triton.testing import do_bench
+
+        q = torch.randn(self.batch, self.hkv, self.hq // self.hkv, self.keys[0].shape[-1], device=self.keys[0].device,
+                        dtype=self.keys[0].dtype)
+        times = {}
+        for form in SDPA_FORMS:
+            for backend in SDPA_BACKENDS:
+                self.attention = (form, backend)
+                try:
+                    times[(form, backend)] = do_bench(lambda: self.attend(q, 0, self.length + 1), warmup=5, rep=30,
+                                                      return_mode="median")
+                except RuntimeError as e:  # a backend that does not take this form
+                    print(f"  SDPA {form}, {backend}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        self.attention = min(times, key=times.get)
+        return {", ".join(k): round(t, 4) for k, t in times.items()}
+
+
+def roofline_check(model, batch: int = 3, context: int = 40, steps: int = 4) -> dict:
+    """The roofline step against transformers' ``StaticCache`` step (SDPA) over the same random keys and values:
+    ``steps`` greedy steps fed the same tokens; the largest ‖roofline − transformers‖ / ‖transformers‖ of the
+    logits, and whether every step's greedy token is the same."""
+    from transformers import StaticCache
+
+    cfg, dev = model.config, model.get_input_embeddings().weight.device
+    dtype = model.get_input_embeddings().weight.dtype
+    g = torch.Generator(device=dev).manual_seed(3)
+    k = torch.randn(batch, cfg.num_key_value_heads, context, cfg.head_dim, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(batch, cfg.num_key_value_heads, context, cfg.head_dim, device=dev, dtype=dtype, generator=g)
+    model.set_attn_implementation("sdpa")
+    cache = StaticCache(config=cfg, max_cache_len=context + steps)
+    for i in range(cfg.num_hidden_layers):
+        cache.update(k, v, i)
+    step = RooflineStep(model, batch, context + steps)
+    step.fill(k, v)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=dev, generator=g)
+    err, same = 0.0, True
+    with torch.no_grad():
+        for t in range(steps):
+            pos = torch.full((batch, 1), context + t, device=dev, dtype=torch.long)
+            ref = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).logits[:, -1].double()
+            out = step(ids, pos)[:, -1].double()
+            err = max(err, ((out - ref).norm() / ref.norm()).item())
+            same &= bool(torch.equal(out.argmax(-1), ref.argmax(-1)))
+            ids = ref.argmax(-1, keepdim=True)
+    return dict(logits_rel_err=err, same_greedy_tokens=same, batch=batch, context=context, steps=steps)
+
+
 def fill_paged(cache: PagedKVCache, context: int) -> None:
     """``context`` random tokens in every sequence of every layer (the store kernel, one layer copied to all)."""
     first = cache.layers[0]
@@ -113,6 +324,8 @@ def kv_bytes(cache) -> int:
     """Bytes the cache allocated for keys and values."""
     if isinstance(cache, PagedKVCache):
         return cache.allocated_nbytes()
+    if isinstance(cache, RooflineStep):
+        return sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
@@ -132,7 +345,10 @@ def time_steps(model, cache, batch: int, context: int, steps: int, graph: bool, 
     paged = isinstance(cache, PagedKVCache)
 
     def step():
-        logits = forward(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if isinstance(cache, RooflineStep):
+            logits = cache(ids, pos)[:, -1]
+        else:
+            logits = forward(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         ids.copy_(logits.argmax(-1, keepdim=True))
         pos.add_(1)
 
@@ -170,7 +386,13 @@ def make_cache(name: str, model, batch: int, context: int, steps: int):
     from transformers import DynamicCache, StaticCache
 
     cfg = model.config
-    if name == "fp16 DynamicCache":
+    if name.startswith(ROOFLINE):
+        cache = RooflineStep(model, batch, context + steps + 4, compile=name.endswith(SUFFIX))
+        k = torch.randn(batch, cfg.num_key_value_heads, context, cfg.head_dim, device="cuda", dtype=torch.float16)
+        cache.fill(k, k)
+        del k
+        cache.sdpa_ms = cache.fastest_attention()
+    elif name == "fp16 DynamicCache":
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=cfg)
         fill_dense(cache, cfg, batch, context)
@@ -202,6 +424,10 @@ def measure(model, name, mode, batch, context, steps):
         if name.startswith("kvlab") and name.endswith(SUFFIX):
             with compiled_layers(model):
                 ms = time_steps(model, cache, batch, context, steps, graph=mode == "graph", warmups=2)
+        elif name.startswith(ROOFLINE):
+            row["config"] = ", ".join(cache.attention)
+            print("   SDPA", cache.sdpa_ms, flush=True)
+            ms = time_steps(model, cache, batch, context, steps, graph=mode == "graph", warmups=2 if cache.compile else 1)
         else:
             ms = time_steps(model, cache, batch, context, steps, graph=mode == "graph", forward=forward)
         row.update(status="ok", ms_per_step=round(ms, 4), tokens_per_s=round(batch * 1000 / ms, 1),
@@ -287,20 +513,44 @@ def prefill_seconds(model, names, tokens: int = 4096) -> dict:
     return res
 
 
+def write_rows(path: Path, rows: list[dict], run: dict) -> None:
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        w = csv.DictWriter(f, fieldnames=KEYS + list(run))
+        w.writeheader()
+        for r in rows:
+            w.writerow({**{k: r.get(k, "") for k in KEYS}, **run})
+
+
+def copy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """Device copy bandwidth (GB/s, bytes read and written): the best of ``repeats`` medians of a device-to-device
+    ``copy_`` of ``nbytes`` bytes (``benchmarks.bench_decode.copy_bandwidth``)."""
+    from benchmarks.bench_decode import copy_bandwidth
+
+    return max(copy_bandwidth(nbytes) for _ in range(repeats))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--points", default=None, help="batch:context,... (default: the grid)")
-    ap.add_argument("--budget-gib", type=float, default=120.0)
+    ap.add_argument("--budget-gib", type=float, default=None,
+                    help="memory budget of the capacity figures (default: 120 GiB, or the device's memory less 8 GiB)")
     ap.add_argument("--profile", action="store_true", help="write a cProfile of eager decode steps (small model)")
     ap.add_argument("--compiled", action="store_true",
-                    help=f"add the rows '{COMPILED}' (torch.compile of the forward, then a CUDA graph) and "
-                         f"'<kvlab format>{SUFFIX}' (kvlab.generate(..., compile=True): the decoder layers compiled)")
-    ap.add_argument("--names", default=None, help="only these rows (comma-separated); skips capacity, prefill, checks")
+                    help=f"add the rows '{ROOFLINE}{SUFFIX}' (the roofline step's work around the attention compiled) "
+                         f"and '<kvlab format>{SUFFIX}' (kvlab.generate(..., compile=True): the decoder layers compiled)")
+    ap.add_argument("--names", default=None, help=f"only these rows (comma-separated; '{COMPILED}' only when named)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"what to run, of {','.join(PARTS)} (default: all)")
     ap.add_argument("--stem", default=None, help="output file stem (default: generate)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        ap.error(f"--parts: {sorted(parts - set(PARTS))} not in {PARTS}")
     import transformers
     import triton
 
@@ -309,8 +559,12 @@ def main():
                transformers=transformers.__version__, python=platform.python_version(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command="python " + " ".join(sys.argv))
+    run["copy_gbps"] = round(copy_gbps(1 << 28 if args.smoke else 4 << 30), 1)
+    print(f"copy bandwidth {run['copy_gbps']:.0f} GB/s", flush=True)
     small = llama(True)
-    check = checks(small) if args.names is None else None
+    check = checks(small) if "checks" in parts else {}
+    check[ROOFLINE] = roofline_check(small)  # fp16 on the GPU: the logits of two orders of the same sums
+    print(" ", ROOFLINE, check[ROOFLINE], flush=True)
     if args.profile:
         profile_eager(small, Path(args.out) / "generate_profile.txt")
     del small
@@ -319,19 +573,22 @@ def main():
     grid = [(int(b), int(c)) for b, c in (p.split(":") for p in args.points.split(","))] if args.points else GRID
     if args.smoke:
         grid = [(2, 300), (3, 1000)]
-    names = ["fp16 DynamicCache", "fp16 StaticCache", *([COMPILED] if args.compiled else []), *FORMATS,
+    names = [ROOFLINE, *([ROOFLINE + SUFFIX] if args.compiled else []), "fp16 DynamicCache", "fp16 StaticCache", *FORMATS,
              *([n + SUFFIX for n in FORMATS] if args.compiled else [])]
     if args.names:
-        every = ["fp16 DynamicCache", "fp16 StaticCache", COMPILED, *FORMATS, *[n + SUFFIX for n in FORMATS]]
+        every = [ROOFLINE, ROOFLINE + SUFFIX, "fp16 DynamicCache", "fp16 StaticCache", COMPILED, *FORMATS,
+                 *[n + SUFFIX for n in FORMATS]]
         names = [n for n in every if n in args.names.split(",")]
     # capacity at 32k: KV bytes per sequence next to the weights; each kvlab batch checked by one step
     capacity = {}
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    budget = args.budget_gib if args.budget_gib is not None else min(120.0, math.floor(total_gib - 8))
     capacity_context = 1024 if args.smoke else 32768
-    for name in [] if args.names else [n for n in names[1:] if not n.endswith(SUFFIX)]:
+    for name in ["fp16 StaticCache", *FORMATS] if "capacity" in parts else []:
         per_seq = kv_token_bytes(name, cfg) * capacity_context
         act = 2 * 2**30  # activations and workspace of one step
-        batch = int((args.budget_gib * 2**30 - weights - act) // per_seq)
+        batch = int((budget * 2**30 - weights - act) // per_seq)
         entry = dict(max_batch=batch, kv_gib_per_sequence=round(per_seq / 2**30, 4))
         if not name.startswith("fp16") and batch > 0:
             print(f"  capacity {name}: batch {batch}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB in use", flush=True)
@@ -339,41 +596,53 @@ def main():
             entry.update(checked=r.get("status"), ms_per_step=r.get("ms_per_step"), peak_gib=r.get("peak_gib"))
         capacity[name] = entry
     rows = []
-    for batch, context in grid:
+    for batch, context in grid if "grid" in parts else []:
         point = []
         for name in names:
             fits = kv_token_bytes(name, cfg) * batch * context < (torch.cuda.mem_get_info()[1] - 24 * 2**30)
-            for mode in (["eager"] if name == "fp16 DynamicCache" else ["graph"] if name.endswith(SUFFIX) else ["eager", "graph"]):
+            modes = (["eager"] if name == "fp16 DynamicCache" else ["graph"] if name.endswith(SUFFIX) or name == ROOFLINE
+                     else ["eager", "graph"])
+            for mode in modes:
                 if not fits:
                     r = dict(cache=name, mode=mode, batch=batch, context=context, status="oom")
                     print(" ", r, flush=True)
                 else:
-                    r = measure(model, name, mode, batch, context, args.steps)
+                    r = measure(model, name, mode, batch, context, args.steps if mode == "graph" else min(args.steps, 16))
                 point.append(r)
+        w_read = weight_read_bytes(model, batch)
+        fp16_floor = floor_ms("fp16", cfg, w_read, batch, context, run["copy_gbps"])
         ok = [r for r in point if r["cache"].startswith("fp16") and r.get("status") == "ok"]
         base = min(ok, key=lambda r: r["ms_per_step"]) if ok else None
         for r in point:
+            floor = floor_ms(r["cache"], cfg, w_read, batch, context, run["copy_gbps"])
+            r.update(floor_ms=round(floor, 4), byte_ceiling=round(fp16_floor / floor, 3))
+            if r.get("status") == "ok":
+                r["share_of_floor"] = round(floor / r["ms_per_step"], 3)
             if base is not None and r.get("status") == "ok":
                 r["speedup_vs_fp16"] = round(base["ms_per_step"] / r["ms_per_step"], 3)
                 r["fp16_baseline"] = f"{base['cache']} {base['mode']}"
+        for r in point:
+            print(f"  B={batch} L={context} {r['cache']} {r['mode']}: {r.get('ms_per_step')} ms, floor {r['floor_ms']:.2f} ms, "
+                  f"share {r.get('share_of_floor')}, x{r.get('speedup_vs_fp16')} ({r.get('fp16_baseline')}), "
+                  f"ceiling {r['byte_ceiling']}", flush=True)
         rows += point
-    prefill = None if args.names else prefill_seconds(model, ["kvlab mse k4v4", "kvlab affine k4v4"], 512 if args.smoke else 4096)
+        write_rows(Path(args.out) / f"{args.stem or 'generate'}.partial.csv", rows, run)  # a run cut short keeps its rows
+        Path(args.out, f"{args.stem or 'generate'}.partial.json").write_text(json.dumps(dict(run, checks=check), indent=1))
+    prefill = (prefill_seconds(model, ["kvlab mse k4v4", "kvlab affine k4v4"], 512 if args.smoke else 4096)
+               if "prefill" in parts else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.stem or ("generate_smoke" if args.smoke else "generate")
-    with open(out / f"{stem}.csv", "w") as f:
-        import csv
-
-        w = csv.DictWriter(f, fieldnames=KEYS + list(run))
-        w.writeheader()
-        for r in rows:
-            w.writerow({**{k: r.get(k, "") for k in KEYS}, **run})
+    write_rows(out / f"{stem}.csv", rows, run)
+    for suffix in ("csv", "json"):
+        Path(args.out, f"{args.stem or 'generate'}.partial.{suffix}").unlink(missing_ok=True)
     meta = dict(run, model=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, q_heads=cfg.num_attention_heads,
                                 kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
-                                weights="random fp16", weight_gib=round(weights / 2**30, 2)),
-                steps=args.steps, capacity_context=capacity_context, capacity_budget_gib=args.budget_gib, capacity=capacity,
+                                weights="random fp16", weight_gib=round(weights / 2**30, 2),
+                                weight_read_gib_batch_1=round(weight_read_bytes(model, 1) / 2**30, 3)),
+                steps=args.steps, capacity_context=capacity_context, capacity_budget_gib=budget, capacity=capacity,
                 prefill_tokens=512 if args.smoke else 4096, prefill_seconds=prefill, checks=check,
-                formats={k: repr(v) for k, v in FORMATS.items()}, seconds=round(time.time() - t0, 1))
+                formats={k: repr(v) for k, v in FORMATS.items()}, parts=sorted(parts), seconds=round(time.time() - t0, 1))
     (out / f"{stem}.json").write_text(json.dumps(meta, indent=1))
     print(json.dumps({k: meta[k] for k in ("capacity", "prefill_seconds", "seconds")}, indent=1))
 

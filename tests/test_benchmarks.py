@@ -3,6 +3,7 @@
 import csv
 import importlib
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -91,3 +92,27 @@ def test_the_gluon_hooks_the_codec_benchmark_watches_exist():
 
     for module, hook in GLUON_HOOKS.values():
         assert callable(getattr(importlib.import_module(f"kvlab.{module}"), hook)), (module, hook)
+
+
+def test_the_roofline_fp16_step_computes_transformers_static_cache_step():
+    """bench_generate's fastest fp16 step (fused projections, SDPA over the filled length, no mask) gives the logits
+    of transformers' StaticCache step over the same keys and values, step after step (CPU, fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.bench_generate import floor_ms, roofline_check, weight_read_bytes
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=500000.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    res = roofline_check(model, batch=3, context=40, steps=4)
+    assert res["logits_rel_err"] < 1e-5 and res["same_greedy_tokens"], res
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "fusing the projections changed a weight"
+    # the byte floor: the weights less the embedding table but the batch's rows, and the KV of the filled length
+    w = weight_read_bytes(model, 3)
+    assert w == 4 * sum(p.numel() for p in model.parameters()) - 4 * 512 * 256 + 4 * 3 * 256
+    kv16 = 2 * 2 * 64 * 2 * 2 * 3 * 1000  # K and V, fp16, head dim 64, 2 KV heads, 2 layers, batch 3, 1000 tokens
+    assert math.isclose(floor_ms("fp16 roofline", cfg, w, 3, 1000, 1.0), (w + kv16) / 1e6)
