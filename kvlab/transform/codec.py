@@ -44,6 +44,8 @@ __all__ = ["MAX_BITS", "TransformCodec", "TransformKV", "check_gains"]
 MAX_BITS = 8
 FP16_MIN_NORMAL = 6.103515625e-05
 GAIN_BYTES = 2
+INVERSE_TOLERANCE = 1e-3  # calibrated transforms undo each other to about 1e-6 in float32
+FILE_FORMAT = "kvlab.transform.TransformKV 2"  # what TransformKV.save writes: with a checksum of its contents
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,13 +166,32 @@ class TransformCodec:
 
     @classmethod
     def from_state_dict(cls, state: dict, device="cpu") -> "TransformCodec":
+        """The codec of ``state_dict()``, checked: tensors where tensors belong, ``gain`` a bool, and ``inverse``
+        undoing ``forward`` (``forward[g] @ inverse[g]`` within ``INVERSE_TOLERANCE`` of the identity)."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from TransformCodec.state_dict(), got {type(state).__name__}")
         missing = {"mean", "forward", "inverse", "bits", "codebooks", "gain"} - set(state)
         if missing:
             raise ValueError(f"state lacks {sorted(missing)}; it must come from TransformCodec.state_dict()")
-        return cls(state["mean"].to(device), state["forward"].to(device), state["inverse"].to(device),
-                   state["bits"].to(device), state["codebooks"].to(device), bool(state["gain"]))
+        for name in ("mean", "forward", "inverse", "bits", "codebooks"):
+            if not isinstance(state[name], torch.Tensor):
+                raise TypeError(f"state[{name!r}] must be a tensor, got {type(state[name]).__name__}")
+        C.check_bool("gain", state["gain"])
+        codec = cls(state["mean"].to(device), state["forward"].to(device), state["inverse"].to(device),
+                    state["bits"].to(device), state["codebooks"].to(device), state["gain"])
+        codec.check_inverse()
+        return codec
+
+    def check_inverse(self) -> None:
+        """``inverse`` must undo ``forward``: every entry of ``forward[g] @ inverse[g] - I`` within
+        ``INVERSE_TOLERANCE`` (float64); a damaged or edited transform is an error, not a worse decode."""
+        eye = torch.eye(self.dim, dtype=torch.float64, device=self.forward.device)
+        product = self.forward.double() @ self.inverse.double()
+        deviation = float((product - eye).abs().amax()) if product.numel() else 0.0
+        if not deviation <= INVERSE_TOLERANCE:
+            raise ValueError(f"inverse does not undo forward: forward @ inverse differs from the identity by "
+                             f"{deviation:.3g} (at most {INVERSE_TOLERANCE:g}); the codec is damaged or not from "
+                             "kvlab.transform.calibration.calibrate")
 
     def save(self, path: str | os.PathLike) -> None:
         torch.save(self.state_dict(), path)
@@ -230,31 +251,99 @@ class TransformKV:
         return TransformKV(tuple(c.to(device) for c in self.keys), tuple(c.to(device) for c in self.values),
                            self.rope, self.sink, self.residual)
 
+    def state_dict(self) -> dict:
+        """What ``save`` writes: the codecs' states, RoPE, sink and residual, the file format and a SHA-256 checksum
+        of all of it (``checksum``)."""
+        state = {"format": FILE_FORMAT,
+                 "keys": [c.state_dict() for c in self.keys], "values": [c.state_dict() for c in self.values],
+                 "rope": None if self.rope is None else {"inv_freq": self.rope.inv_freq.cpu(),
+                                                         "scaling": float(self.rope.scaling)},
+                 "sink": self.sink, "residual": self.residual}
+        state["checksum"] = _checksum(state)
+        return state
+
     def save(self, path: str | os.PathLike) -> None:
-        torch.save({"keys": [c.state_dict() for c in self.keys], "values": [c.state_dict() for c in self.values],
-                    "rope": None if self.rope is None else {"inv_freq": self.rope.inv_freq, "scaling": self.rope.scaling},
-                    "sink": self.sink, "residual": self.residual}, path)
+        """Write the codecs to ``path`` (``torch.save`` of tensors and plain values, with a checksum); ``load`` reads
+        them back and refuses a file whose contents were changed."""
+        torch.save(self.state_dict(), path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, device="cpu") -> "TransformKV":
-        """The codecs ``save`` wrote to ``path``, on ``device``."""
+        """The codecs ``save`` wrote to ``path``, on ``device``. Only tensors and plain values are read (no code runs);
+        a file that ``save`` did not write, whose checksum does not match its contents, or whose codecs are not
+        valid (an ``inverse`` that does not undo its ``forward``, widths beyond 8 bits, ``gain`` not a bool) is a
+        ``ValueError`` naming the file and what is wrong."""
         device = C.check_device("device", device)
+        where = f"{os.fspath(path)} is not a file of kvlab.transform.TransformKV.save"
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            parts = {k: state[k] for k in ("keys", "values", "rope", "sink", "residual")}
         except FileNotFoundError:
             raise
-        except Exception as exc:  # not a file torch.save wrote, or not one TransformKV.save wrote
-            raise ValueError(f"{os.fspath(path)} is not a file of kvlab.transform.TransformKV.save "
-                             f"({type(exc).__name__}: {exc})") from None
-        rope = None
-        if parts["rope"] is not None:
-            from ..calibration import RoPE
+        except Exception as exc:  # not a file torch.save wrote with tensors and plain values only
+            raise ValueError(f"{where} ({type(exc).__name__}: it holds something other than tensors and plain "
+                             "values, or is not a torch.save file)") from None
+        if not isinstance(state, dict) or not {"keys", "values", "rope", "sink", "residual"} <= set(state):
+            raise ValueError(f"{where} (it lacks the keys, values, rope, sink and residual that save writes)")
+        if state.get("format") != FILE_FORMAT or "checksum" not in state:
+            raise ValueError(f"{where} in this version's format {FILE_FORMAT!r} with a checksum (format: "
+                             f"{state.get('format')!r}): calibrate again and save")
+        try:
+            checksum = _checksum(state)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{where} (a malformed structure: {exc})") from None
+        if checksum != state["checksum"]:
+            raise ValueError(f"{os.fspath(path)}: its checksum does not match its contents, so it was changed after "
+                             "TransformKV.save wrote it (damaged or edited): calibrate again")
+        try:
+            rope = None
+            if state["rope"] is not None:
+                from ..calibration import RoPE
 
-            rope = RoPE(parts["rope"]["inv_freq"], parts["rope"]["scaling"])
-        return cls(tuple(TransformCodec.from_state_dict(s, device) for s in parts["keys"]),
-                   tuple(TransformCodec.from_state_dict(s, device) for s in parts["values"]),
-                   rope, int(parts["sink"]), int(parts["residual"]))
+                rope = RoPE(state["rope"]["inv_freq"], state["rope"]["scaling"])
+            codecs = {}
+            for part in ("keys", "values"):
+                codecs[part] = []
+                for i, s in enumerate(state[part]):
+                    try:
+                        codecs[part].append(TransformCodec.from_state_dict(s, device))
+                    except (TypeError, ValueError) as exc:
+                        raise ValueError(f"{part}[{i}]: {exc}") from None
+            for name in ("sink", "residual"):
+                if isinstance(state[name], bool) or not isinstance(state[name], int):
+                    raise ValueError(f"{name} must be an int, got {type(state[name]).__name__}")
+            return cls(tuple(codecs["keys"]), tuple(codecs["values"]), rope, state["sink"], state["residual"])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"{os.fspath(path)} holds an invalid calibration: {exc}") from None
+
+
+def _checksum(state: dict) -> str:
+    """SHA-256 (hex) of a ``TransformKV`` state without its checksum: every tensor's dtype, shape and bytes and
+    every plain value, in a fixed order."""
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def add(value) -> None:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(value, dict):
+            h.update(f"dict {len(value)};".encode())
+            for key in sorted(value):
+                h.update(f"{key!r}:".encode())
+                add(value[key])
+        elif isinstance(value, (list, tuple)):
+            h.update(f"list {len(value)};".encode())
+            for item in value:
+                add(item)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            h.update(f"{type(value).__name__} {value!r};".encode())
+        else:
+            raise TypeError(f"a {type(value).__name__} where tensors and plain values belong")
+
+    add({k: v for k, v in state.items() if k != "checksum"})
+    return h.hexdigest()
 
 
 def check_gains(codec: TransformCodec, y: torch.Tensor, name: str = "x") -> None:

@@ -277,3 +277,53 @@ def test_a_file_that_is_not_a_calibration_is_named(tiny, tmp_path):
         TransformKV.load(tmp_path / "missing.pt")
     with pytest.raises(ValueError, match="device must be a torch device this machine has"):
         TransformKV.load(good, device="tpu")
+
+
+def _edited(state, path, edit, checksum):
+    """``state`` with ``edit`` applied, saved to ``path``; with ``checksum`` its checksum recomputed (a deliberate
+    edit), else the old one kept (damage)."""
+    from kvlab.transform.codec import _checksum
+
+    state = copy.deepcopy(state)
+    edit(state)
+    if checksum:
+        state["checksum"] = _checksum(state)
+    torch.save(state, path)
+    return path
+
+
+def test_a_damaged_or_edited_calibration_is_refused(tiny, tmp_path):
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=3.0, window=128, captured=data)
+    kv.save(tmp_path / "kv.pt")
+    state = torch.load(tmp_path / "kv.pt", weights_only=True)
+    assert state["format"] == "kvlab.transform.TransformKV 2" and len(state["checksum"]) == 64
+
+    def flip(s):  # one entry of a transform becomes huge, as one flipped exponent bit makes it
+        s["keys"][0]["forward"][0, 3, 5] = 1.2e38
+
+    damaged = _edited(state, tmp_path / "damaged.pt", flip, checksum=False)
+    with pytest.raises(ValueError, match="damaged.pt: its checksum does not match its contents"):
+        TransformKV.load(damaged)
+    cases = {
+        "identity inverse": (lambda s: s["values"][1].update(inverse=torch.eye(32)[None].contiguous()),
+                             r"values\[1\]: inverse does not undo forward"),
+        "huge entry": (flip, r"keys\[0\]: inverse does not undo forward"),
+        "gain as a string": (lambda s: s["keys"][0].update(gain="no"), r"keys\[0\]: gain must be a bool, got str"),
+        "bits beyond 8": (lambda s: s["keys"][0].update(bits=s["keys"][0]["bits"] + 9), r"keys\[0\]: bits must be in \[0, 8\]"),
+        "a codec that is a list": (lambda s: s["keys"].__setitem__(0, [1, 2]), r"keys\[0\]: state must be a dict"),
+        "sink as a float": (lambda s: s.update(sink=1.5), "sink must be an int"),
+        "keys not a list": (lambda s: s.update(keys=3), "invalid calibration"),
+    }
+    for name, (edit, match) in cases.items():
+        path = _edited(state, tmp_path / "edited.pt", edit, checksum=True)
+        with pytest.raises(ValueError, match=match):
+            TransformKV.load(path)
+    old = {k: v for k, v in state.items() if k not in ("format", "checksum")}  # the format before checksums
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match=r"old.pt is not a file .* with a checksum .*calibrate again and save"):
+        TransformKV.load(tmp_path / "old.pt")
+    torch.save({**state, "extra": torch.nn.Linear(2, 2)}, tmp_path / "code.pt")  # not only tensors and plain values
+    with pytest.raises(ValueError) as info:
+        TransformKV.load(tmp_path / "code.pt")
+    assert "weights_only" not in str(info.value), "no advice to load an untrusted file unsafely"
