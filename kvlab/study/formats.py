@@ -14,7 +14,8 @@ from typing import Callable
 from ..hf.cache import KVCache
 from ..hf.formats import KVFormat
 
-__all__ = ["NAMES", "SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "committed_windows", "describe", "first_windows"]
+__all__ = ["NAMES", "SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "committed_windows", "describe", "first_windows",
+           "window_nll"]
 
 SECOND_MODEL_FORMATS = {
     "fp16": (KVFormat("fp16"), {}),
@@ -62,22 +63,28 @@ def describe(name: str) -> str:
     return f"KVFormat('transform'), transform=calibrate(model, ids, bits={TRANSFORM_BITS[name]}, keys='post_rope'){options}"
 
 
+def window_nll(model, ids, caches, w: int, stride: int, bos: int | None = None) -> dict[str, float]:
+    """name -> summed NLL (nats) of the ``stride`` scored tokens of window ``w`` of ``ids`` (``2 * stride`` tokens from
+    ``w * stride``): the committed run's protocol for one window."""
+    from ..hf.model import perplexity
+
+    r = perplexity(model, ids[w * stride : w * stride + 2 * stride], window=2 * stride, stride=stride, cache=caches,
+                   bos=bos)
+    return {name: x.nll * x.tokens for name, x in r.items()}
+
+
 def first_windows(model, ids, caches, windows: int, stride: int, bos: int | None = None) -> dict[str, float]:
     """name -> perplexity change (%) against ``"fp16"`` over the first ``windows`` windows of ``ids`` (``2 * stride``
     tokens each, sliding by ``stride``, ``stride`` scored tokens each): the committed run's protocol, window by window
     (page 16's live run and its check across floating-point paths, ``tests/test_fp_paths.py``)."""
     import math
 
-    from ..hf.model import perplexity
-
     if "fp16" not in caches:
         raise ValueError(f"caches must hold the baseline 'fp16', got {sorted(caches)}")
     nll = {name: 0.0 for name in caches}
     for w in range(windows):
-        r = perplexity(model, ids[w * stride : w * stride + 2 * stride], window=2 * stride, stride=stride, cache=caches,
-                       bos=bos)
-        for name, x in r.items():
-            nll[name] += x.nll * x.tokens
+        for name, x in window_nll(model, ids, caches, w, stride, bos).items():
+            nll[name] += x
     return {name: 100 * math.expm1((nll[name] - nll["fp16"]) / (windows * stride)) for name in caches}
 
 
