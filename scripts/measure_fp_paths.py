@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from kvlab.study.fp_paths import PATHS, RECORD_ENV, RESULTS  # noqa: E402
+from kvlab.study.fp_paths import PATHS, RECORD_ENV, RESULTS, recorded  # noqa: E402
 from run_notebooks import kernel_env  # noqa: E402
 
 PAGES = ("16_second_model", "15_transform_codec", "09_keys_at_three_bits", "03_perplexity")
@@ -56,11 +57,7 @@ def run_page(page: str, path: str, workdir: Path) -> tuple[str, str, str, dict, 
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     seconds = time.monotonic() - start
-    values = {}
-    if out.is_file():
-        for line in out.read_text().splitlines():
-            row = json.loads(line)
-            values[row["quantity"]] = row["value"]
+    values = recorded(out).get(page, {})
     status = "ok" if proc.returncode == 0 else "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
     return page, path, status, values, seconds
 
@@ -123,7 +120,7 @@ def main() -> int:
                 "under each floating-point path of kvlab.study.fp_paths.PATHS on one machine; pages[page][quantity][path]: "
                 "the value (a page bounds each gap by kvlab.study.fp_paths.tolerance: MARGIN times the largest value)",
         "date": date,
-        "machine": f"{cpu_model()}, {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} CPUs",
+        "machine": f"{cpu_model()}, {platform.machine()}, {len(os.sched_getaffinity(0))} CPUs",
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
                      "transformers": transformers.__version__},
         "command": "python scripts/measure_fp_paths.py",

@@ -26,7 +26,7 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["MARGIN", "PATHS", "RESULTS", "check", "load", "record", "spread", "tolerance"]
+__all__ = ["MARGIN", "PATHS", "RESULTS", "check", "load", "record", "recorded", "spread", "tolerance"]
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "results" / "fp_paths.json"
 RECORD_ENV = "KVLAB_FP_RECORD"
@@ -47,16 +47,22 @@ def load(path: Path | str = RESULTS) -> dict:
     Under ``scripts/measure_fp_paths.py`` the values this run has recorded so far, as one path named ``"this run"``."""
     target = os.environ.get(RECORD_ENV)
     if target:
-        pages: dict = {}
-        if Path(target).is_file():
-            for line in Path(target).read_text().splitlines():
-                row = json.loads(line)
-                pages.setdefault(row["page"], {})[row["quantity"]] = {"this run": row["value"]}
+        pages = {page: {q: {"this run": v} for q, v in values.items()} for page, values in recorded(target).items()}
         return {"machine": "this run", "paths": {"this run": {}}, "pages": pages}
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: run `python scripts/measure_fp_paths.py` to measure it")
     return json.loads(path.read_text())
+
+
+def recorded(target: Path | str) -> dict[str, dict[str, float]]:
+    """``{page: {quantity: value}}`` that ``record`` and ``check`` appended to ``target`` (empty if it does not exist)."""
+    pages: dict = {}
+    if Path(target).is_file():
+        for line in Path(target).read_text().splitlines():
+            row = json.loads(line)
+            pages.setdefault(row["page"], {})[row["quantity"]] = row["value"]
+    return pages
 
 
 def _values(page: str, quantity: str, data: dict | None) -> dict[str, float]:
