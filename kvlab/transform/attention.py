@@ -37,7 +37,9 @@ import triton
 import triton.language as tl
 
 from .. import _checks as C
+from . import fused
 from .codec import TransformCodec
+from .fused import fused_layout
 
 __all__ = ["decode_attention"]
 
@@ -215,7 +217,7 @@ def _head_tables(codec: TransformCodec, heads: int, dim: int, device) -> dict:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, key_codec: TransformCodec, value_codec: TransformCodec, *,
                      scale: float, rope=None, first_position: int = 0, splits: int | None = None,
-                     check: bool = True) -> torch.Tensor:
+                     check: bool = True, first: int = 0, return_lse: bool = False):
     """One decode step (module docstring): ``q [B, Hq, D]`` -> ``[B, Hq, D]`` float32.
 
     ``rope``: a ``kvlab.RoPE`` when the keys were coded before RoPE (token ``t`` at position ``first_position +
@@ -223,7 +225,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``q`` finite, every ``seq_lens`` in ``[1, max_blocks * block_size]`` and the block-table entries it uses
     blocks of the caches, and ``q`` scaled by a power of two where its fp16 copy would overflow. Without it, lengths
     and entries outside the table and the caches are clamped into them: wrong input gives wrong numbers, never a
-    read outside the tensors."""
+    read outside the tensors.
+
+    Codecs in the fused layout (``kvlab.transform.fused``: ``calibrate(..., layout="fused")``) with keys after RoPE
+    take that module's kernel, which also reads from token ``first`` on (tokens before it are left out) and, with
+    ``return_lse``, returns the log-sum-exp of each query head's scores ``[B, Hq]`` beside the output (to merge with
+    attention over tokens held elsewhere)."""
     for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
         if not isinstance(codec, TransformCodec):
             raise TypeError(f"{name} must be a kvlab.transform.TransformCodec, got {type(codec).__name__}")
@@ -266,6 +273,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if rope.dim != dim:
             raise ValueError(f"rope rotates {rope.dim} channels, the heads have {dim}")
     C.check_bool("check", check)
+    C.check_int("first", first, minimum=0)
+    C.check_bool("return_lse", return_lse)
     device, page = q.device, k_cache.shape[1]
     if check and batch:
         C.check_finite("q", q)
@@ -279,8 +288,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             raise ValueError(f"block_table's entries for the first seq_lens tokens must be blocks in "
                              f"[0, {k_cache.shape[0]}), got values from {int(entries.min())} to {int(entries.max())}")
     group = q_heads // heads
+    is_fused = rope is None and all(c.groups == heads and fused_layout(c) is not None for c in (key_codec, value_codec))
+    if (first or return_lse) and not is_fused:
+        raise ValueError("first and return_lse are for codecs in the fused layout (calibrate(..., layout='fused')), "
+                         "keys after RoPE")
     if batch == 0:
-        return torch.zeros(0, q_heads, dim, dtype=torch.float32, device=device)
+        out = torch.zeros(0, q_heads, dim, dtype=torch.float32, device=device)
+        return (out, torch.zeros(0, q_heads, device=device)) if return_lse else out
+    if is_fused:
+        return fused.decode_attention(q, k_cache, v_cache, block_table, seq_lens, key_codec, value_codec, scale=scale,
+                                      splits=splits, check=check, first=first, return_lse=return_lse)
     gp = max(MIN_DOT, triton.next_power_of_2(group))
     kt, vt = _unpack_tables(key_codec, width, device), _unpack_tables(value_codec, width, device)
     kh, vh = _head_tables(key_codec, heads, dim, device), _head_tables(value_codec, heads, dim, device)

@@ -64,6 +64,9 @@ ALLOCATIONS = ("greedy", "uniform", "global")
 RECORDER = "kvlab_transform_calibration"
 LLOYD_ITERATIONS = 25
 FIT_BITS = 7  # widths fitted on the calibration samples (8 levels per ~16 samples would fit noise)
+LAYOUTS = ("stream", "fused")
+FUSED_WIDTHS = (0, 2, 4, 8)  # the fused layout's widths: whole codes in each 32-bit word
+FUSED_BLOCK = 16  # components that share a width: the same ranks of every head
 
 
 # ----------------------------------------------------------------------------- what the model does
@@ -185,6 +188,38 @@ def _lloyd(u: torch.Tensor, w: torch.Tensor, levels: int, sums=None) -> tuple[to
     return c, err.clamp_min(0) / cw[:, -1]
 
 
+def _grid(u: torch.Tensor, w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted uniform quantizers of every row of ``u [C, N]`` (weights ``w [N]``) with ``levels`` levels
+    ``lo + j step``: ascending centroids ``[C, levels]`` and the weighted mean squared error of each row ``[C]``.
+
+    Alternates the nearest level of each sample with the weighted least-squares ``(lo, step)`` of the samples given
+    their levels, from the grid spanning the ``0.5 / levels`` and ``1 - 0.5 / levels`` quantiles."""
+    u, w = u.double(), w.double()
+    total = w.sum()
+    if levels == 1:
+        c = (u * w).sum(1, keepdim=True) / total
+        return c, ((u - c).square() * w).sum(1) / total
+    q = torch.quantile(u[:, :: max(1, u.shape[1] // 65536)], torch.tensor([0.5 / levels, 1 - 0.5 / levels],
+                                                                        dtype=u.dtype), dim=1)  # [2, C]
+    lo = q[0]
+    step = ((q[1] - q[0]) / (levels - 1)).clamp_min(1e-12)
+    for _ in range(LLOYD_ITERATIONS):
+        j = ((u - lo[:, None]) / step[:, None]).round().clamp(0, levels - 1)
+        sw, sj, sjj = total, (w * j).sum(1), (w * j * j).sum(1)
+        su, sju = (w * u).sum(1), (w * j * u).sum(1)
+        det = sw * sjj - sj * sj
+        ok = det > 1e-12 * sw * sjj.clamp_min(1e-30)
+        new_step = torch.where(ok, (sw * sju - sj * su) / det.clamp_min(1e-300), step).clamp_min(1e-12)
+        new_lo = torch.where(ok, (su - new_step * sj) / sw, lo)
+        done = bool(((new_step - step).abs() <= 1e-7 * step).all() and ((new_lo - lo).abs() <= 1e-7 * step).all())
+        lo, step = new_lo, new_step
+        if done:
+            break
+    j = ((u - lo[:, None]) / step[:, None]).round().clamp(0, levels - 1)
+    err = ((u - lo[:, None] - step[:, None] * j).square() * w).sum(1) / total
+    return lo[:, None] + step[:, None] * torch.arange(levels, dtype=u.dtype), err
+
+
 def _prefix_sums(u: torch.Tensor, w: torch.Tensor):
     """Rows of ``u`` sorted, and the prefix sums of ``w``, ``w u`` and ``w u^2`` in that order (float64)."""
     su, order = torch.sort(u.double(), 1)
@@ -224,9 +259,10 @@ def _greedy(curves: list[list[torch.Tensor]], weights: list[float], budget: int,
     return bits
 
 
-def fit_curves(x: torch.Tensor, weight: torch.Tensor, *, groups: int, gain: bool = True) -> list[dict]:
+def fit_curves(x: torch.Tensor, weight: torch.Tensor, *, groups: int, gain: bool = True, grid: bool = False) -> list[dict]:
     """Per group: the mean, both transforms, and for every width ``0 .. FIT_BITS`` each component's centroids
-    and distortion, of samples ``x [N, H, D]`` with error weights ``weight [H, D, D]`` (per head)."""
+    and distortion, of samples ``x [N, H, D]`` with error weights ``weight [H, D, D]`` (per head). ``grid``: uniform
+    levels (``_grid``) at the widths of the fused layout (``FUSED_WIDTHS``), the other widths' distortions infinite."""
     n, heads, dim = x.shape
     width = heads * dim // groups
     x = x.double().reshape(n, groups, width)
@@ -248,9 +284,14 @@ def fit_curves(x: torch.Tensor, weight: torch.Tensor, *, groups: int, gain: bool
         uu = (y / s.clamp_min(1e-30)[:, None]).T.contiguous()  # [width, N]
         w = s.square()
         curves = torch.full((width, MAX_BITS + 1), math.nan, dtype=torch.float64)
-        cents, sums = [], _prefix_sums(uu, w)
-        for b in range(FIT_BITS + 1):
-            c, d = _lloyd(uu, w, 1 << b, sums)
+        cents, sums = [], None if grid else _prefix_sums(uu, w)
+        for b in range(MAX_BITS + 1):
+            if grid and b in FUSED_WIDTHS:
+                c, d = _grid(uu, w, 1 << b)
+            elif not grid and b <= FIT_BITS:
+                c, d = _lloyd(uu, w, 1 << b, sums)
+            else:
+                c, d = torch.zeros(width, 1 << b, dtype=torch.float64), torch.full((width,), math.inf, dtype=torch.float64)
             cents.append(c)
             curves[:, b] = d
         fits.append(dict(mean=mean, forward=forward, inverse=inverse, cents=cents, curves=curves, variance=y.var(0)))
@@ -264,7 +305,7 @@ def assemble(fits: list[dict], budget: int, *, gain: bool = True, allocation: st
     bit_rows, books = [], []
     for g, f in enumerate(fits):
         curves = f["curves"].clone()
-        curves[:, FIT_BITS + 1 :] = math.inf  # widths past FIT_BITS are never chosen
+        curves[:, FIT_BITS + 1 :] = math.inf  # widths past FIT_BITS are never chosen (by _allocate)
         if bits is None:
             row = _allocate(curves, min(budget, curves.shape[0] * FIT_BITS), allocation, f["variance"])
         else:
@@ -282,6 +323,54 @@ def assemble(fits: list[dict], budget: int, *, gain: bool = True, allocation: st
     stack = lambda key: torch.stack([f[key] for f in fits]).float()
     return TransformCodec(stack("mean"), stack("forward"), stack("inverse"), torch.stack(bit_rows).to(torch.uint8),
                           torch.stack(books).float(), gain)
+
+
+def _fused_allocate(units: list[list[dict]], weights: list[float], budget: int) -> list[torch.Tensor]:
+    """Widths of the fused layout: per unit (a layer's keys or values, ``units[u]`` its heads' fits), one width of
+    ``FUSED_WIDTHS`` per block of ``FUSED_BLOCK`` component ranks, the same for every head (components past the
+    last whole block get none). ``budget`` code bits per token over all units and heads go, a step to the next
+    width at a time, to the block whose weighted distortion falls most per bit (a step past the bits left is
+    skipped). Returns ``[dim]`` widths per unit."""
+    sums, state, heap = [], [], []
+    for unit in units:
+        curves = sum(f["curves"] for f in unit)  # [D, MAX_BITS + 1]: the heads' distortions summed
+        k = curves.shape[0] // FUSED_BLOCK
+        sums.append(curves[: k * FUSED_BLOCK].reshape(k, FUSED_BLOCK, -1).sum(1))
+        state.append([0] * k)
+
+    def push(u, k):
+        i = FUSED_WIDTHS.index(state[u][k])
+        if i + 1 < len(FUSED_WIDTHS):
+            now, nxt = FUSED_WIDTHS[i], FUSED_WIDTHS[i + 1]
+            cost = (nxt - now) * FUSED_BLOCK * len(units[u])
+            heapq.heappush(heap, (-weights[u] * float(sums[u][k, now] - sums[u][k, nxt]) / cost, u, k, nxt, cost))
+
+    for u in range(len(units)):
+        for k in range(len(state[u])):
+            push(u, k)
+    left = budget
+    while heap:
+        _, u, k, nxt, cost = heapq.heappop(heap)
+        if cost <= left:
+            state[u][k] = nxt
+            left -= cost
+            push(u, k)
+    out = []
+    for u, unit in enumerate(units):
+        w = torch.zeros(unit[0]["curves"].shape[0], dtype=torch.long)
+        w[: len(state[u]) * FUSED_BLOCK] = torch.tensor(state[u], dtype=torch.long).repeat_interleave(FUSED_BLOCK)
+        out.append(w)
+    return out
+
+
+def _fused_codec(unit: list[dict], widths: torch.Tensor) -> TransformCodec:
+    """The codec of one unit in the fused layout: every head's components reordered (a stable sort) by width,
+    widest first, so that each width's codes are one run of whole 32-bit words."""
+    order = torch.sort(widths, descending=True, stable=True).indices
+    ordered = [dict(mean=f["mean"], forward=f["forward"][:, order], inverse=f["inverse"][order],
+                    cents=[c[order] for c in f["cents"]], curves=f["curves"][order], variance=f["variance"][order])
+               for f in unit]
+    return assemble(ordered, 0, gain=False, bits=[widths[order]] * len(unit))
 
 
 def fit_codec(x: torch.Tensor, weight: torch.Tensor, budget: int, *, groups: int, gain: bool = True,
@@ -340,7 +429,8 @@ def sensitivity(model, ids: torch.Tensor, kv: TransformKV, *, windows: int = 2, 
 def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joint", keys: str = "pre_rope",
               weighting: bool = True, gain: bool = False, allocation: str = "greedy", sink: int = 1,
               residual: int = 16, context: int = 1024, window: int = 1024, captured: list | None = None,
-              fits: dict | None = None, reference_bits: float = 2.5, sensitivity_windows: int = 2) -> TransformKV:
+              fits: dict | None = None, reference_bits: float = 2.5, sensitivity_windows: int = 2,
+              layout: str = "stream") -> TransformKV:
     """Transform codecs for every layer's keys and values of ``model``, calibrated on the 1-d token ids ``ids``
     (see the module docstring). ``bits``: bits per element the cache holds at ``context`` tokens, everything
     counted (codes, gains, the ``sink`` and ``residual`` tokens in 16 bit). ``captured``: the output of
@@ -348,7 +438,12 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     keeps each layer's transforms and distortion curves, and the sensitivities, between calls (variants that
     differ only in bits, allocation, sink or window share them). ``allocation="global"``: ``sensitivity`` of the codec at
     ``reference_bits`` on ``sensitivity_windows`` windows of ``ids`` weights each layer's keys and values (step 5
-    of the module docstring); it costs two passes over half a window per layer, part and window."""
+    of the module docstring); it costs two passes over half a window per layer, part and window.
+
+    ``layout="fused"``: the codes ``kvlab.transform.attention.decode_attention`` scores without a lookup. It needs
+    ``groups="head"``, ``keys="post_rope"`` and ``gain=False``; each component gets uniform levels; widths are
+    0, 2, 4 or 8 bits, one per block of 16 component ranks shared by a layer's heads (``allocation="greedy"``:
+    the bits of each layer's keys or values apart; ``"global"``: pooled as in step 5), widest components first."""
     C.check_tensor("ids", ids, (torch.int32, torch.int64))
     if ids.dim() != 1 or ids.numel() < window:
         raise ValueError(f"ids must be 1-d token ids with at least one window of {window}, got shape {tuple(ids.shape)}")
@@ -357,6 +452,14 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     C.check_choice("groups", groups, GROUPS)
     C.check_choice("keys", keys, KEYS)
     C.check_choice("allocation", allocation, ALLOCATIONS)
+    C.check_choice("layout", layout, LAYOUTS)
+    if layout == "fused":
+        wrong = [f"{k}={v!r}" for k, v, need in (("groups", groups, "head"), ("keys", keys, "post_rope"),
+                                                   ("gain", gain, False), ("allocation", allocation, None))
+                 if (v != need if need is not None else v == "uniform")]
+        if wrong:
+            raise ValueError(f"layout='fused' needs groups='head', keys='post_rope', gain=False and allocation "
+                             f"'greedy' or 'global', got {', '.join(wrong)}")
     if isinstance(reference_bits, bool) or not isinstance(reference_bits, (int, float)) or not 0 < reference_bits <= MAX_BITS:
         raise ValueError(f"reference_bits must be a number in (0, {MAX_BITS}], got {reference_bits!r}")
     C.check_int("sensitivity_windows", sensitivity_windows, minimum=1)
@@ -386,15 +489,22 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
         width = heads * dim // g
         budget = code_budget(bits, width, gain=gain, sink=sink, residual=residual, context=context)
         eye = torch.eye(dim, dtype=torch.float64).expand(heads, dim, dim)
-        kid, vid = (i, "keys", keys, g, weighting, gain), (i, "values", g, weighting, gain)
+        grid = layout == "fused"
+        kid, vid = (i, "keys", keys, g, weighting, gain, grid), (i, "values", g, weighting, gain, grid)
         if kid not in fits:
             wk = eye if not weighting else (torch.diag_embed(_pair_average(rec["q_square"])) if keys == "pre_rope"
                                             else rec["q_outer"])
-            fits[kid] = fit_curves(rec["keys_pre"] if keys == "pre_rope" else rec["keys"], wk, groups=g, gain=gain)
+            fits[kid] = fit_curves(rec["keys_pre"] if keys == "pre_rope" else rec["keys"], wk, groups=g, gain=gain,
+                                   grid=grid)
         if vid not in fits:
             wv = eye if not weighting else _value_weights(model, i, heads, dim)
-            fits[vid] = fit_curves(rec["values"], wv, groups=g, gain=gain)
-        if allocation == "global":  # the per-layer budgets, pooled below
+            fits[vid] = fit_curves(rec["values"], wv, groups=g, gain=gain, grid=grid)
+        if grid:
+            pooled += 2 * budget * g
+            if allocation != "global":
+                key_codecs.append(_fused_codec(fits[kid], _fused_allocate([fits[kid]], [1.0], budget * g)[0]))
+                value_codecs.append(_fused_codec(fits[vid], _fused_allocate([fits[vid]], [1.0], budget * g)[0]))
+        elif allocation == "global":  # the per-layer budgets, pooled below
             pooled += sum(max(0, min(budget, f["curves"].shape[0] * FIT_BITS)) for f in (*fits[kid], *fits[vid]))
         else:
             key_codecs.append(assemble(fits[kid], budget, gain=gain, allocation=allocation))
@@ -404,9 +514,9 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
         return TransformKV(tuple(key_codecs), tuple(value_codecs), rope, sink, residual)
     ref = calibrate(model, ids, bits=reference_bits, groups=groups, keys=keys, weighting=weighting, gain=gain,
                     allocation="greedy", sink=sink, residual=residual, context=context, window=window, captured=data,
-                    fits=fits)
+                    fits=fits, layout=layout)
     sid = ("sensitivity", reference_bits, sensitivity_windows, groups, keys, weighting, gain, sink, residual, context,
-           window)
+           window, layout)
     if sid not in fits:  # variants that differ only in bits share it
         fits[sid] = sensitivity(model, ids, ref, windows=sensitivity_windows, window=window)
     kl = fits[sid]
@@ -415,7 +525,18 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
         for part, codec in ((0, ref.keys[i]), (1, ref.values[i])):
             unit = fits[unit_ids[i][part]]
             units.append(unit)
-            weights.append(max(float(kl[i, part]), 1e-12) / max(_distortion(unit, codec), 1e-30))
+            if layout == "fused":  # the reference's widths in the fits' order of components
+                g = len(unit)
+                budget = code_budget(reference_bits, unit[0]["curves"].shape[0], gain=gain, sink=sink,
+                                     residual=residual, context=context)
+                w = _fused_allocate([unit], [1.0], budget * g)[0]
+                distortion = sum(float(f["curves"][torch.arange(w.numel()), w].sum()) for f in unit)
+            else:
+                distortion = _distortion(unit, codec)
+            weights.append(max(float(kl[i, part]), 1e-12) / max(distortion, 1e-30))
+    if layout == "fused":
+        codecs = [_fused_codec(unit, w) for unit, w in zip(units, _fused_allocate(units, weights, pooled))]
+        return TransformKV(tuple(codecs[0::2]), tuple(codecs[1::2]), rope, sink, residual)
     widths = _greedy([[f["curves"] for f in unit] for unit in units], weights, pooled, FIT_BITS)
     codecs = [assemble(unit, 0, gain=gain, bits=b) for unit, b in zip(units, widths)]
     return TransformKV(tuple(codecs[0::2]), tuple(codecs[1::2]), rope, sink, residual)

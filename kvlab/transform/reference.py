@@ -117,19 +117,25 @@ def read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, key_codec: TransformCodec, value_codec: TransformCodec, *,
-                     scale: float, rope=None, first_position: int = 0) -> torch.Tensor:
+                     scale: float, rope=None, first_position: int = 0, first: int = 0, return_lse: bool = False):
     """One decode step over paged transform-codec caches: ``q [B, Hq, D]`` -> ``[B, Hq, D]`` float32.
 
     Token ``t`` of sequence ``b`` is row ``block_table[b, t // block_size] * block_size + t % block_size`` of
     ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, row_bytes]``), at position ``first_position + t``;
     ``seq_lens[b]`` tokens are read. ``rope`` (a ``kvlab.RoPE``): the keys were coded before RoPE, which is
-    applied to the decoded keys at their positions. Query head ``j`` reads KV head ``j // (Hq // H)``."""
+    applied to the decoded keys at their positions. Query head ``j`` reads KV head ``j // (Hq // H)``. ``first``:
+    tokens ``first .. seq_lens[b] - 1`` are read (none: output 0); ``return_lse``: also the log-sum-exp of each query
+    head's scores ``[B, Hq]`` float32 (``-inf`` over no token)."""
     batch, q_heads, dim = q.shape
     block_size = k_cache.shape[1]
-    out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=q.device)
+    out = torch.zeros(batch, q_heads, dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float32, device=q.device)
     for b in range(batch):
         n = int(seq_lens[b])
-        t = torch.arange(n, device=q.device)
+        t = torch.arange(min(first, n), n, device=q.device)
+        n = t.numel()
+        if n == 0:
+            continue
         slots = block_table[b, t // block_size].long() * block_size + t % block_size
         k = decode(key_codec, read_rows(k_cache.view(-1, k_cache.shape[-1]), slots))  # [n, H * D]
         v = decode(value_codec, read_rows(v_cache.view(-1, v_cache.shape[-1]), slots))
@@ -141,4 +147,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kh, vh = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, Hq, D]
         s = torch.einsum("hd,nhd->hn", q[b].float(), kh) * scale
         out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vh)
-    return out
+        lse[b] = torch.logsumexp(s, -1)
+    return (out, lse) if return_lse else out

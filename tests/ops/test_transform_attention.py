@@ -157,3 +157,55 @@ def test_an_empty_batch_and_unchecked_entries(device):
     out = decode_attention(*on(torch.randn(1, 2, 32), k_cache, v_cache, bad_table, long_lens), kc.to(device),
                            vc.to(device), scale=1.0, check=False)
     assert out.shape == (1, 2, 32) and torch.isfinite(out).all()
+
+
+FUSED = [  # batch, KV heads, query heads per KV head, head_dim, (8-bit, 4-bit, 2-bit components), block size, lengths
+    (2, 2, 4, 64, (0, 32, 32), 16, (100, 37)),
+    (1, 3, 3, 64, (16, 16, 16), 8, (1,)),
+    (3, 1, 1, 32, (0, 0, 32), 16, (64, 5, 130)),
+    (2, 2, 2, 128, (16, 48, 48), 16, (200, 71)),  # runs of 6 words: padded tiles
+    (1, 1, 5, 16, (16, 0, 0), 8, (9,)),
+]
+
+
+@pytest.mark.parametrize("batch,heads,group,dim,counts,page,lens", FUSED)
+def test_fused_layout_equals_the_reference(batch, heads, group, dim, counts, page, lens, device):
+    """Codecs in the fused layout take ``kvlab.transform.fused``'s kernel (scores on the codes, no lookup)."""
+    from kvlab.transform.fused import fused_layout
+    from transform_codecs import fused_codec
+
+    kc, vc = fused_codec(heads, dim, counts, 1), fused_codec(heads, dim, counts[::-1] if sum(counts) == dim and
+                                                              counts[0] == counts[2] else counts, 2)
+    assert fused_layout(kc) is not None and fused_layout(vc) is not None
+    g = torch.Generator().manual_seed(3)
+    max_blocks = -(-max(lens) // page) + 1
+    blocks = batch * max_blocks
+    table = torch.randperm(blocks, generator=g).view(batch, max_blocks).int()
+    k_cache = torch.full((blocks, page, kc.row_bytes), 255, dtype=torch.uint8)  # unused slots: all ones
+    v_cache = torch.full((blocks, page, vc.row_bytes), 255, dtype=torch.uint8)
+    for b, n in enumerate(lens):
+        t = torch.arange(n)
+        slots = table[b, t // page].long() * page + t % page
+        R.write_rows(k_cache.view(-1, kc.row_bytes), slots, R.encode(kc, torch.randn(n, heads * dim, generator=g)))
+        R.write_rows(v_cache.view(-1, vc.row_bytes), slots, R.encode(vc, torch.randn(n, heads * dim, generator=g)))
+    q = 3 * torch.randn(batch, heads * group, dim, generator=g)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    ref = R.decode_attention(q, k_cache, v_cache, table, lens_t, kc, vc, scale=dim**-0.5)
+    on = lambda *ts: [t.to(device) for t in ts]
+    for splits in (None, 2):
+        out = decode_attention(*on(q, k_cache, v_cache, table, lens_t), kc.to(device), vc.to(device),
+                               scale=dim**-0.5, splits=splits).cpu()
+        err = (out - ref).norm() / ref.norm()
+        assert err < 2e-3, f"relative error {err:.2e}"
+    # from token `first` on, with the log-sum-exp of the scores (none read where a sequence is shorter)
+    first = 3
+    ref, ref_lse = R.decode_attention(q, k_cache, v_cache, table, lens_t, kc, vc, scale=dim**-0.5, first=first,
+                                      return_lse=True)
+    out, lse = decode_attention(*on(q, k_cache, v_cache, table, lens_t), kc.to(device), vc.to(device),
+                                scale=dim**-0.5, first=first, return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
+    empty = torch.tensor(lens) <= first
+    assert torch.equal(torch.isinf(lse), empty[:, None].expand_as(lse)) and not out[empty].any()
+    if not empty.all():
+        assert (out - ref).norm() / ref.norm() < 2e-3
+        assert (lse - ref_lse)[~empty].abs().max() < 1e-2
