@@ -128,12 +128,17 @@ class PagedKVCacheLayer(CacheLayerMixin):
         self.owner, self.layer_idx, self.batch_size = weakref.proxy(owner), layer_idx, owner.batch
         self.length = 0  # tokens given per sequence, padding included (the model's view of the cache)
         o = owner
+        self.kv16 = None
         if o.kind == "transform":  # keys and values in two caches of the layer's codec rows
             self.key_codec, self.value_codec = o.transform.keys[layer_idx], o.transform.values[layer_idx]
             self.k_cache, self.v_cache = (torch.zeros(o.batch * o.max_blocks, o.block_size, c.row_bytes,
                                                       dtype=torch.uint8, device=o.device)
                                           for c in (self.key_codec, self.value_codec))
             self.cache = self.k_cache
+            # the first `sink` tokens and a ring of the last `residual` in fp16 (codecs calibrated to keep them)
+            held = o.transform.sink + o.transform.residual
+            self.kv16 = torch.zeros(o.batch, held, 2, o.num_kv_heads, o.head_dim, dtype=torch.float16,
+                                    device=o.device) if held else None  # [B, sink + residual, K/V, H, D]
         else:
             self.cache = torch.zeros(o.batch * o.max_blocks, o.block_size, o.num_kv_heads, o.slot_bytes,
                                      dtype=torch.uint8, device=o.device)
@@ -277,6 +282,57 @@ class PagedKVCacheLayer(CacheLayerMixin):
                 TK.store_transform(y, codec, cache, slots)
             else:
                 TR.write_rows(cache.view(-1, codec.row_bytes), slots, TR.pack(codec, *TR.quantize(codec, y)))
+        if self.kv16 is not None:
+            self._store16(key, value, n, valid)
+
+    def _store16(self, key, value, n: int, valid) -> None:
+        """The fp16 copies of the sink tokens and of the last ``residual`` tokens (a ring: position ``p`` at
+        ``sink + p % residual``). A decode step writes without a host sync."""
+        o = self.owner
+        sink, residual = o.transform.sink, o.transform.residual
+        kv = torch.stack([key, value], 2).transpose(1, 3).to(torch.float16)  # [B, n, K/V, H, D]
+        rows = torch.arange(o.batch, device=o.device)
+        if n == 1 and valid is None:  # a decode step: position seq_lens (before this token is counted)
+            pos = self.seq_lens.long()
+            new = kv[:, 0]  # [B, K/V, H, D]
+            if sink:
+                at = pos.clamp(max=sink - 1)
+                self.kv16[rows, at] = torch.where((pos < sink)[:, None, None, None], new, self.kv16[rows, at])
+            if residual:
+                self.kv16[rows, sink + pos % residual] = new
+            return
+        rank = torch.arange(n, device=o.device).expand(o.batch, n) if valid is None else valid.long().cumsum(1) - 1
+        keep = torch.ones(o.batch, n, dtype=torch.bool, device=o.device) if valid is None else valid
+        pos = self.seq_lens.long()[:, None] + rank  # [B, n]
+        end = self.seq_lens.long() + keep.sum(1)  # [B]: tokens held after this store
+        b, j = torch.nonzero(keep & (pos < sink), as_tuple=True)
+        self.kv16[b, pos[b, j]] = kv[b, j]
+        if residual:
+            b, j = torch.nonzero(keep & (pos >= (end[:, None] - residual)), as_tuple=True)
+            self.kv16[b, sink + pos[b, j] % residual] = kv[b, j]
+
+    def _attend16(self, q: torch.Tensor, scale: float, lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+        """Merge the attention over the coded tokens (``out [B, Hq, D]``, ``lse [B, Hq]``) with the attention over the
+        fp16 copies, by their log-sum-exp: the output over every token."""
+        o = self.owner
+        sink, residual = o.transform.sink, o.transform.residual
+        batch, q_heads, dim = q.shape
+        heads = o.num_kv_heads
+        lens = lens.long()[:, None]  # [B, 1]
+        j = torch.arange(sink + residual, device=q.device)[None, :]
+        r = (j - sink).clamp_min(0)
+        at = lens - 1 - (lens - 1 - r) % max(residual, 1)  # position held by ring entry r
+        valid = torch.where(j < sink, j < lens, (at >= sink) & (at >= 0))  # [B, S + R]
+        k16, v16 = self.kv16[:, :, 0].float(), self.kv16[:, :, 1].float()  # [B, S + R, H, D]
+        qg = q.float().view(batch, heads, q_heads // heads, dim)
+        s = torch.einsum("bhgd,bjhd->bhgj", qg, k16) * scale
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        lse16 = torch.logsumexp(s, -1)  # [B, H, G]
+        out16 = torch.einsum("bhgj,bjhd->bhgd", torch.softmax(s, -1), v16).reshape(batch, q_heads, dim)
+        lse16 = lse16.reshape(batch, q_heads)
+        total = torch.logaddexp(lse, lse16)
+        w, w16 = torch.exp(lse - total), torch.exp(lse16 - total)
+        return out.float() * w[..., None] + out16 * w16[..., None]
 
     def decode(self, q: torch.Tensor, scale: float, block_table=None, seq_lens=None, backend=None) -> torch.Tensor:
         """Attention of ``q [B, Hq, D]`` (one token per sequence) over the stored tokens: ``[B, Hq, D]``."""
@@ -287,6 +343,15 @@ class PagedKVCacheLayer(CacheLayerMixin):
             from ..transform import reference as TR
             from ..transform.attention import decode_attention as transform_decode
 
+            if self.kv16 is not None:  # the coded tokens between the sink and the ring, merged with the fp16 ones
+                sink, residual = o.transform.sink, o.transform.residual
+                args = (q, self.k_cache, self.v_cache, table, (lens - residual).clamp_min(0), self.key_codec,
+                        self.value_codec)
+                if (backend or o.backend) == "reference":
+                    out, lse = TR.decode_attention(*args, scale=scale, first=sink, return_lse=True)
+                else:
+                    out, lse = transform_decode(*args, scale=scale, check=False, first=sink, return_lse=True)
+                return self._attend16(q, scale, lens, out, lse).to(q.dtype)
             args = (q, self.k_cache, self.v_cache, table, lens, self.key_codec, self.value_codec)
             if (backend or o.backend) == "reference":
                 return TR.decode_attention(*args, scale=scale, rope=o.transform.rope).to(q.dtype)
@@ -339,6 +404,13 @@ class PagedKVCacheLayer(CacheLayerMixin):
                     x = TR.untransform(codec, TR.dequantize(codec, *TR.unpack(codec, TR.read_rows(cache, slots))))
                 kv.append(x.view(m, o.num_kv_heads, dim))
             k, v = kv
+            if self.kv16 is not None:  # the sink and the last `residual` tokens as the decode step reads them
+                sink, residual = o.transform.sink, o.transform.residual
+                for i, x in ((0, k), (1, v)):
+                    x[: min(sink, m)] = self.kv16[b, : min(sink, m), i].float()
+                    if residual:
+                        p = torch.arange(max(sink, m - residual), m, device=q.device)
+                        x[p] = self.kv16[b, sink + p % residual, i].float()
             if o.transform.rope is not None:
                 k = _rope(o.transform.rope, k, t, undo=False)
             group = q_heads // o.num_kv_heads
@@ -353,7 +425,9 @@ class PagedKVCacheLayer(CacheLayerMixin):
         """Bytes of the slots that hold tokens."""
         o = self.owner
         if o.kind == "transform":
-            return int(self.seq_lens.sum()) * (self.key_codec.row_bytes + self.value_codec.row_bytes)
+            held = 0 if self.kv16 is None else int(self.seq_lens.clamp_max(self.kv16.shape[1]).sum()) * \
+                2 * o.num_kv_heads * o.head_dim * 2  # the fp16 copies
+            return int(self.seq_lens.sum()) * (self.key_codec.row_bytes + self.value_codec.row_bytes) + held
         return int(self.seq_lens.sum()) * o.num_kv_heads * o.slot_bytes
 
     def allocated_nbytes(self) -> int:
@@ -406,11 +480,16 @@ class PagedKVCache(Cache):
                 raise ValueError("KVFormat('transform') needs the calibrated codecs: PagedKVCache(..., "
                                  "transform=kvlab.transform.calibration.calibrate(model, calibration_ids))")
             check_transform(transform, num_layers, num_kv_heads, head_dim)
-            if transform.sink or transform.residual:
+            from ..transform.fused import fused_layout
+
+            fused = transform.rope is None and all(fused_layout(c) is not None and c.groups == num_kv_heads
+                                                   for c in (*transform.keys, *transform.values))
+            if (transform.sink or transform.residual) and not fused:
                 raise ValueError(f"PagedKVCache stores every token as codes, but these transform codecs were calibrated "
                                  f"to keep the first {transform.sink} and the last {transform.residual} tokens in 16 bit "
                                  f"(their bits assume it): use kvlab.KVCache(KVFormat('transform'), transform=...) "
-                                 f"(kvlab.generate does), or codecs of calibrate(..., sink=0, residual=0)")
+                                 f"(kvlab.generate does), codecs of calibrate(..., sink=0, residual=0), or codecs in "
+                                 f"the fused layout (calibrate(..., layout='fused')), whose decode merges them")
             self.kind, self.transform = "transform", transform.to(device)
             self.key_codec = self.value_codec = self.layout = self.slot_bytes = None  # per layer: the layers' codecs
         elif fmt.codec == "mse":

@@ -159,3 +159,52 @@ def test_perplexity_through_the_fused_decode_equals_the_materialising_cache():
     b = kvlab.perplexity(model, ids, window=32, stride=16, chunk=1, cache=materialising)
     assert a.tokens == b.tokens == 16 and a.nll == pytest.approx(b.nll, rel=1e-4)
     assert a.bits_per_element == b.bits_per_element == kv.bits_per_element()
+
+
+@pytest.mark.parametrize("sink,residual", [(1, 4), (0, 3), (2, 0)])
+def test_fused_layout_with_fp16_tokens_matches_the_materialising_cache(sink, residual, device):
+    """Codecs in the fused layout calibrated to keep the first ``sink`` and the last ``residual`` tokens in fp16: the
+    paged cache merges the fused decode over the coded tokens with attention over its fp16 copies. Its logits over a
+    left-padded batch's prompt and decode steps (past the window) are those of KVCache over each sequence alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from transform_codecs import fused_codec
+
+    model = tiny_model().to(device)
+    layers = model.config.num_hidden_layers
+    kv = TransformKV([fused_codec(2, 64, (16, 16, 16), 2 * i) for i in range(layers)],
+                     [fused_codec(2, 64, (0, 32, 32), 2 * i + 1) for i in range(layers)], None, sink, residual)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 17), generator=g).to(device)
+    pads = (0, 3)  # the second sequence left-padded
+    mask = (torch.arange(17)[None, :] >= torch.tensor(pads)[:, None]).long().to(device)
+    steps = torch.randint(3, VOCAB, (2, 6), generator=g).to(device)
+
+    def run(cache, ids, mask, steps):  # positions count real tokens, as generate's do
+        out = []
+        with torch.no_grad():
+            pos = (mask.cumsum(1) - 1).clamp_min(0)
+            out.append(model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[:, -1])
+            for i in range(steps.shape[1]):
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                pos = mask.sum(1, keepdim=True) - 1
+                out.append(model(steps[:, i : i + 1], attention_mask=mask, position_ids=pos, cache=cache,
+                                 use_cache=True).logits[:, -1])
+        return torch.stack(out, 1)  # [B, steps + 1, vocab]
+
+    model.set_attn_implementation("sdpa")
+    alone = torch.cat([run(KVCache(KVFormat("transform"), config=model.config, transform=kv, dtype=torch.float32,
+                                   backend="reference"), ids[b : b + 1, p:], mask[b : b + 1, p:], steps[b : b + 1])
+                       for b, p in enumerate(pads)])
+    model.set_attn_implementation("kvlab")
+    for backend in ("triton", "reference"):
+        cache = PagedKVCache(KVFormat("transform"), config=model.config, batch_size=2, max_length=32, transform=kv,
+                             backend=backend, device=device)
+        # (a sequence's prompt computed beside another may round a key across a code boundary: a few logits move more)
+        torch.testing.assert_close(run(cache, ids, mask, steps), alone, rtol=1e-2, atol=5e-3)
+        rows = sum(c.row_bytes for c in (*kv.keys, *kv.values))
+        fp16 = layers * 2 * 2 * 64 * 2  # a token's keys and values, every layer, in fp16
+        assert cache.nbytes() == (23 + 20) * rows + 2 * min(sink + residual, 20) * fp16
+    model.set_attn_implementation("sdpa")
