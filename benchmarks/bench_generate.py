@@ -65,6 +65,10 @@ FORMATS = {
     "kvlab mse k2v2": KVFormat("mse", 2, 2, rotation="hadamard"),
     "kvlab affine k4v4": KVFormat("affine", 4, 4),
 }
+# calibrated transform codes in the fused layout (kvlab.transform.fused): random per-head transforms and uniform levels
+# of a calibrated codec's bytes, the first token and the last 16 kept in fp16; (8-bit, 4-bit, 2-bit) components
+FUSED = {"kvlab fused 3.5": (0, 96, 32), "kvlab fused 2.5": (0, 32, 96)}
+FUSED_SINK, FUSED_RESIDUAL = 1, 16
 COMPILED = "fp16 StaticCache compiled"
 ROOFLINE = "fp16 roofline"
 SUFFIX = " compiled"  # a kvlab row with this suffix: decoder layers compiled (kvlab.hf.generation.compiled_layers)
@@ -100,6 +104,9 @@ def kv_token_bytes(name: str, cfg) -> float:
     d, h, n = cfg.head_dim, cfg.num_key_value_heads, cfg.num_hidden_layers
     if name.startswith("fp16"):
         return 2 * 2 * d * h * n
+    if name.removesuffix(SUFFIX) in FUSED:  # the codes of the fused layout (the fp16 tokens are a constant)
+        counts = FUSED[name.removesuffix(SUFFIX)]
+        return 2 * sum(c * w for c, w in zip(counts, (8, 4, 2))) / 8 * h * n
     return 2 * FORMATS[name.removesuffix(SUFFIX)].bits_per_element(d) / 8 * d * h * n
 
 
@@ -320,6 +327,34 @@ def fill_paged(cache: PagedKVCache, context: int) -> None:
         layer.length = context
 
 
+def fused_transform(cfg, counts):
+    """A ``TransformKV`` in the fused layout for every layer of ``cfg``: random orthogonal per-head transforms, uniform
+    levels (the bytes and the work of ``calibrate(..., layout="fused")``'s codecs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "ops"))
+    from transform_codecs import fused_codec
+    from kvlab.transform import TransformKV
+
+    h, d, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    return TransformKV([fused_codec(h, d, counts, 2 * i) for i in range(n)],
+                       [fused_codec(h, d, counts, 2 * i + 1) for i in range(n)], None, FUSED_SINK, FUSED_RESIDUAL)
+
+
+def fill_random(cache: PagedKVCache, context: int) -> None:
+    """``context`` tokens of random codes (every code is one of the fused layout) and random fp16 copies."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    first = cache.layers[0]
+    for t in (first.k_cache, first.v_cache):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda", generator=g))
+    first.kv16.copy_(torch.randn(first.kv16.shape, device="cuda", generator=g).half())
+    for layer in cache.layers:
+        if layer is not first:
+            layer.k_cache.copy_(first.k_cache)
+            layer.v_cache.copy_(first.v_cache)
+            layer.kv16.copy_(first.kv16)
+        layer.seq_lens.fill_(context)
+        layer.length = context
+
+
 def kv_bytes(cache) -> int:
     """Bytes the cache allocated for keys and values."""
     if isinstance(cache, PagedKVCache):
@@ -400,6 +435,11 @@ def make_cache(name: str, model, batch: int, context: int, steps: int):
         model.set_attn_implementation("sdpa")
         cache = StaticCache(config=cfg, max_cache_len=context + steps + 4)
         fill_dense(cache, cfg, batch, context)
+    elif name.removesuffix(SUFFIX) in FUSED:
+        model.set_attn_implementation("kvlab")
+        cache = PagedKVCache(KVFormat("transform"), config=cfg, batch_size=batch, max_length=context + steps + 4,
+                             device="cuda", check_steps=False, transform=fused_transform(cfg, FUSED[name.removesuffix(SUFFIX)]))
+        fill_random(cache, context)
     else:
         model.set_attn_implementation("kvlab")
         cache = PagedKVCache(FORMATS[name.removesuffix(SUFFIX)], config=cfg, batch_size=batch, max_length=context + steps + 4,
@@ -577,7 +617,7 @@ def main():
              *([n + SUFFIX for n in FORMATS] if args.compiled else [])]
     if args.names:
         every = [ROOFLINE, ROOFLINE + SUFFIX, "fp16 DynamicCache", "fp16 StaticCache", COMPILED, *FORMATS,
-                 *[n + SUFFIX for n in FORMATS]]
+                 *[n + SUFFIX for n in FORMATS], *FUSED, *[n + SUFFIX for n in FUSED]]
         names = [n for n in every if n in args.names.split(",")]
     # capacity at 32k: KV bytes per sequence next to the weights; each kvlab batch checked by one step
     capacity = {}
