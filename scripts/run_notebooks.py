@@ -8,8 +8,8 @@ TRITON_INTERPRET=1 when torch sees no CUDA device (decided once, before any kern
 
 Notebook defaults are CPU-sized; `--full` passes `-p small False` to every notebook.
 
-`--jobs N` executes up to N notebooks at once (each in its own kernel), in the order of
-`_toc.yml`; a notebook whose parameters cell defines `executed_dir` reads the executed chapters,
+`--jobs N` executes up to N notebooks at once (each in its own kernel), the longest first (`LONGEST`), then in
+the order of `_toc.yml`; a notebook whose parameters cell defines `executed_dir` reads the executed chapters,
 so it starts only after every other notebook has finished.
 
 A notebook fails when papermill exits non-zero (a dead kernel exits non-zero even when the
@@ -192,11 +192,19 @@ def reads_executed(name: str) -> bool:
     return src.is_file() and bool(re.search(r"^\s*executed_dir\s*=", parameters_source(name, src), re.M))
 
 
+# The CPU-sized run's longest notebooks (100 to 300 s each on a 2-core machine, the others under a minute), started
+# first when several run at once so that the jobs end together.
+LONGEST = ("03_perplexity", "09_keys_at_three_bits", "16_second_model", "08_mixed_precision", "13_generation",
+           "15_transform_codec", "11_sweeps")
+
+
 def run_all(names: list[str], env: dict[str, str], params: list[str], jobs: int) -> None:
-    """Execute the notebooks, up to `jobs` at once; those that read the executed chapters after all others.
-    On a failure no further notebook starts; the first failure is raised once the running ones finish."""
+    """Execute the notebooks, up to `jobs` at once (the longest first); those that read the executed chapters after
+    all others. On a failure no further notebook starts; the first failure is raised once the running ones finish."""
     first = [n for n in names if not reads_executed(n)]
     last = [n for n in names if n not in first]
+    if jobs > 1:
+        first.sort(key=lambda n: LONGEST.index(n) if n in LONGEST else len(LONGEST))
     if jobs <= 1:
         errors = []
         for name in first + last:
