@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .. import _checks as C
 from .cache import KVCache, KVFormat, layer_types, model_shape
-from .paged import ATTENTION, PagedKVCache, fused_support
+from .paged import ATTENTION, PagedKVCache, fused_support, in_fused_layout
 
 __all__ = ["ATTENTION", "GenerateOutput", "PagedKVCache", "compiled_layers", "fused_support", "generate", "replay_logits"]
 
@@ -64,10 +64,12 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
     replays each decode step of the whole model from one CUDA graph. Greedy by default; ``do_sample``
     samples from ``softmax(logits / temperature)``.
     After ``eos_token_id`` a sequence's tokens are ``pad_token_id`` (default: the EOS id).
-    ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``); codecs
-    calibrated to keep tokens in 16 bit (``calibrate``'s default ``sink=1, residual=16``) generate through
-    ``KVCache``, which keeps them; codecs without such tokens through the fused decode, whose steps replay from a
-    CUDA graph only when ``cuda_graph=True`` is asked for. ``KVFormat("centered", ...)``
+    ``KVFormat("transform")`` needs ``transform``, the calibrated codecs (``kvlab.transform.TransformKV``). Codecs in
+    the fused layout (``calibrate(..., layout="fused")``) generate through the fused decode, their 16-bit sink and
+    recent tokens merged with it, each step replayed from a CUDA graph; other codecs calibrated to keep tokens in
+    16 bit (``calibrate``'s default ``sink=1, residual=16``) generate through ``KVCache``, which keeps them; other
+    codecs without such tokens through the fused decode, whose steps replay from a CUDA graph only when
+    ``cuda_graph=True`` is asked for. ``KVFormat("centered", ...)``
     needs ``key_stats`` (``kvlab.calibration.calibrate_keys``). Models with sliding-window layers generate through
     ``KVCache``. ``compile=True`` (with the
     CUDA graph) runs the decoder layers compiled by ``torch.compile`` around kvlab's attention (``compiled_layers``):
@@ -135,9 +137,11 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
                          "key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
     why = fused_support(fmt, head_dim)
     held = (getattr(transform, "sink", 0), getattr(transform, "residual", 0)) if fmt.codec == "transform" else (0, 0)
-    if why is None and any(held):
+    fused_codes = fmt.codec == "transform" and in_fused_layout(transform, model_shape(config, "kvlab.generate",
+                                                                                      sliding=True)[1])
+    if why is None and any(held) and not fused_codes:
         why = (f"the transform codecs keep the first {held[0]} and the last {held[1]} tokens in 16 bit, as calibrated; "
-               f"the fused decode reads codes only")
+               f"the fused decode reads them with codes in the fused layout only (calibrate(..., layout='fused'))")
     if why is None and "sliding_attention" in layer_types(config):
         why = "the model has sliding-window layers; the fused decode attends to every stored token"
     total = prompt + max_new_tokens
@@ -147,7 +151,8 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         raise ValueError(f"max_length ({max_length}) must hold the prompt and the new tokens ({total})")
     fused_here = why is None
     if cuda_graph is None:
-        cuda_graph = fused_here and device.type == "cuda" and fmt.codec != "transform" and backend != "reference"
+        cuda_graph = fused_here and device.type == "cuda" and (fmt.codec != "transform" or fused_codes) \
+            and backend != "reference"
     if cuda_graph and not (fused_here and device.type == "cuda"):
         raise ValueError("cuda_graph=True needs the fused path on a CUDA device")
     if cuda_graph and backend == "reference":

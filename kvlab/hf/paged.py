@@ -72,11 +72,20 @@ from ..affine.reference import AffineCodec, store_affine_reference
 from ..mse.reference import MSECodec, store_slots
 from ..attention.reference import decode_attention_reference, prefill_attention_reference
 
-__all__ = ["ATTENTION", "PagedKVCache", "PagedKVCacheLayer", "fused_support", "paged_attention"]
+__all__ = ["ATTENTION", "PagedKVCache", "PagedKVCacheLayer", "fused_support", "in_fused_layout", "paged_attention"]
 
 ATTENTION = "kvlab"  # the attention implementation name: model.set_attn_implementation("kvlab")
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def in_fused_layout(transform, num_kv_heads: int) -> bool:
+    """Whether calibrated transform codecs are in the fused layout (``calibrate(..., layout="fused")``): their decode
+    merges 16-bit sink and window tokens with the codes, and a step can be captured in a CUDA graph."""
+    from ..transform.fused import fused_layout
+
+    return transform.rope is None and all(fused_layout(c) is not None and c.groups == num_kv_heads
+                                          for c in (*transform.keys, *transform.values))
 
 
 def fused_support(fmt: KVFormat, head_dim: int) -> str | None:
@@ -432,7 +441,7 @@ class PagedKVCacheLayer(CacheLayerMixin):
 
     def allocated_nbytes(self) -> int:
         if self.owner.kind == "transform":
-            return self.k_cache.numel() + self.v_cache.numel()
+            return self.k_cache.numel() + self.v_cache.numel() + (0 if self.kv16 is None else 2 * self.kv16.numel())
         return self.cache.numel()
 
 
@@ -480,11 +489,7 @@ class PagedKVCache(Cache):
                 raise ValueError("KVFormat('transform') needs the calibrated codecs: PagedKVCache(..., "
                                  "transform=kvlab.transform.calibration.calibrate(model, calibration_ids))")
             check_transform(transform, num_layers, num_kv_heads, head_dim)
-            from ..transform.fused import fused_layout
-
-            fused = transform.rope is None and all(fused_layout(c) is not None and c.groups == num_kv_heads
-                                                   for c in (*transform.keys, *transform.values))
-            if (transform.sink or transform.residual) and not fused:
+            if (transform.sink or transform.residual) and not in_fused_layout(transform, num_kv_heads):
                 raise ValueError(f"PagedKVCache stores every token as codes, but these transform codecs were calibrated "
                                  f"to keep the first {transform.sink} and the last {transform.residual} tokens in 16 bit "
                                  f"(their bits assume it): use kvlab.KVCache(KVFormat('transform'), transform=...) "

@@ -208,3 +208,29 @@ def test_fused_layout_with_fp16_tokens_matches_the_materialising_cache(sink, res
         fp16 = layers * 2 * 2 * 64 * 2  # a token's keys and values, every layer, in fp16
         assert cache.nbytes() == (23 + 20) * rows + 2 * min(sink + residual, 20) * fp16
     model.set_attn_implementation("sdpa")
+
+
+def test_generate_takes_the_fused_path_for_codecs_in_the_fused_layout(device):
+    """kvlab.generate with codecs in the fused layout and fp16 sink and window tokens: the fused path, and the tokens
+    of the materialising path over the same codecs (greedy, a left-padded batch, head dim 64)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from transform_codecs import fused_codec
+
+    model = tiny_model().to(device)
+    layers = model.config.num_hidden_layers
+    kv = TransformKV([fused_codec(2, 64, (0, 48, 16), 2 * i) for i in range(layers)],
+                     [fused_codec(2, 64, (16, 16, 32), 2 * i + 1) for i in range(layers)], None, 1, 4)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4)).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    out = generate(model, ids, KVFormat("transform"), 8, attention_mask=mask, transform=kv, eos_token_id=None)
+    assert out.path == "fused", out.why
+    alone = generate(model, ids[1:], KVFormat("transform"), 8, transform=kv, eos_token_id=None)
+    assert torch.equal(out.sequences[1], alone.sequences[0]), "padding does not change a sequence's tokens"
+    model.set_attn_implementation("sdpa")
+    cache = KVCache(KVFormat("transform"), config=model.config, transform=kv, dtype=torch.float32, backend="reference")
+    dense = model.generate(ids[1:], cache=cache, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(alone.sequences, dense), "the materialising path's tokens"
