@@ -31,6 +31,8 @@ pydoc topics (the transform codec at 3.5 and 2.5 bits per element, sink 1, resid
     nice -n 10 python scripts/measure_formats.py                       # -> results/formats_perplexity.json
     nice -n 10 python scripts/measure_formats.py --model gemma3-270m   # -> results/formats_perplexity_gemma3_270m.json
     python scripts/measure_formats.py --windows 1 --out /tmp/f.json    # one window per text: a quick check
+    nice -n 10 python scripts/measure_formats.py --model gemma3-270m --names "fused 3.5" "fused 2.5" \
+        --out results/transform_fused_gemma3_270m.json    # the fused layout of the transform codec
 
 About 5 minutes on a 2-core CPU.
 """
@@ -131,6 +133,8 @@ def main() -> int:
     most = (EVAL_TOKENS - WINDOW) // STRIDE + 1
     ap.add_argument("--windows", type=int, default=most, help=f"windows per text, 1 to {most} (default: all {most} "
                     "of the protocol)")
+    ap.add_argument("--names", nargs="*", default=None, help="with --model gemma3-270m: these formats of "
+                    "kvlab.study.formats (and fp16, the baseline) instead of all")
     args = ap.parse_args()
     if not 1 <= args.windows <= most:
         ap.error(f"--windows must be in [1, {most}] (the protocol's windows per text), got {args.windows}")
@@ -155,7 +159,7 @@ def main() -> int:
         calib = pydoc[-CALIBRATION_TOKENS:].clone()
         calib[0] = tokenizer.bos_token_id
         stats = calibrate_keys(model, calib, window=1024, mean="constant")
-        factories = second.caches(model, calib, stats)
+        factories = second.caches(model, calib, stats, None if args.names is None else ["fp16", *args.names])
         described = {name: second.describe(name) for name in factories}
         extra = {"bos": tokenizer.bos_token_id, "calibration": f"the last {CALIBRATION_TOKENS} tokens of the pydoc topics, "
                  "BOS first; kvlab.calibration.calibrate_keys(model, ids, window=1024, mean='constant'); "

@@ -14,7 +14,7 @@ from typing import Callable
 from ..hf.cache import KVCache
 from ..hf.formats import KVFormat
 
-__all__ = ["NAMES", "SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "committed_windows", "describe", "first_windows",
+__all__ = ["FUSED_BITS", "FUSED_CALIBRATION", "NAMES", "SECOND_MODEL_FORMATS", "TRANSFORM_BITS", "TRANSFORM_OPTIONS", "caches", "committed_windows", "describe", "first_windows",
            "window_nll"]
 
 SECOND_MODEL_FORMATS = {
@@ -30,6 +30,9 @@ SECOND_MODEL_FORMATS = {
 TRANSFORM_BITS = {"transform 3.5": 3.5, "transform 2.5": 2.5}
 TRANSFORM_OPTIONS = {"sink": 1, "residual": 16}
 NAMES = (*SECOND_MODEL_FORMATS, *TRANSFORM_BITS)  # every format, in the committed run's order
+# the transform codec in the fused layout (kvlab.transform.fused), bits pooled across layers, keys and values
+FUSED_BITS = {"fused 3.5": 3.5, "fused 2.5": 2.5}
+FUSED_CALIBRATION = dict(keys="post_rope", groups="head", layout="fused", allocation="global")
 
 
 def caches(model, calibration_ids, key_stats, names=None, backend: str = "auto") -> dict[str, Callable[[], KVCache]]:
@@ -39,14 +42,18 @@ def caches(model, calibration_ids, key_stats, names=None, backend: str = "auto")
     from ..transform.calibration import calibrate
 
     names = list(NAMES if names is None else names)
-    unknown = [n for n in names if n not in NAMES]
+    unknown = [n for n in names if n not in NAMES and n not in FUSED_BITS]
     if unknown:
-        raise ValueError(f"names must be among {list(NAMES)}, got {unknown}")
+        raise ValueError(f"names must be among {list(NAMES) + list(FUSED_BITS)}, got {unknown}")
     cfg, out = model.config, {}
     for name in names:
         if name in SECOND_MODEL_FORMATS:
             fmt, options = SECOND_MODEL_FORMATS[name]
             out[name] = lambda f=fmt, o=options: KVCache(f, config=cfg, key_stats=key_stats, backend=backend, **o)
+        elif name in FUSED_BITS:
+            kv = calibrate(model, calibration_ids, bits=FUSED_BITS[name], **FUSED_CALIBRATION)
+            out[name] = lambda kv=kv: KVCache(KVFormat("transform"), config=cfg, transform=kv, backend=backend,
+                                              **TRANSFORM_OPTIONS)
         else:
             kv = calibrate(model, calibration_ids, bits=TRANSFORM_BITS[name], keys="post_rope")
             out[name] = lambda kv=kv: KVCache(KVFormat("transform"), config=cfg, transform=kv, backend=backend,
@@ -60,6 +67,9 @@ def describe(name: str) -> str:
         fmt, options = SECOND_MODEL_FORMATS[name]
         return repr(fmt) + "".join(f", {k}={v}" for k, v in options.items())
     options = "".join(f", {k}={v}" for k, v in TRANSFORM_OPTIONS.items())
+    if name in FUSED_BITS:
+        how = "".join(f", {k}={v!r}" for k, v in FUSED_CALIBRATION.items())
+        return f"KVFormat('transform'), transform=calibrate(model, ids, bits={FUSED_BITS[name]}{how}){options}"
     return f"KVFormat('transform'), transform=calibrate(model, ids, bits={TRANSFORM_BITS[name]}, keys='post_rope'){options}"
 
 
