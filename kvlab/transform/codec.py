@@ -79,6 +79,7 @@ class TransformCodec:
             raise ValueError(f"bits must be [groups, dim] = {[groups, dim]}, got shape {tuple(self.bits.shape)}")
         if bool((self.bits < 0).any()) or bool((self.bits > MAX_BITS).any()):
             raise ValueError(f"bits must be in [0, {MAX_BITS}], got values from {int(self.bits.min())} to {int(self.bits.max())}")
+        object.__setattr__(self, "_max_bits", int(self.bits.max()))
         C.check_tensor("codebooks", self.codebooks, (torch.float32,))
         levels = 1 << self.max_bits
         if self.codebooks.dim() != 3 or tuple(self.codebooks.shape[:2]) != (groups, dim) or self.codebooks.shape[2] < levels:
@@ -99,6 +100,8 @@ class TransformCodec:
         inner = torch.arange(levels - 1, device=mid.device) < ((1 << self.bits.long()) - 1).to(mid.device).unsqueeze(-1)
         object.__setattr__(self, "boundaries", torch.where(inner, mid, torch.full_like(mid, math.inf)).contiguous())
         object.__setattr__(self, "codebooks", self.codebooks[..., :levels].contiguous())
+        # sizes of the slot layout, read once: a decode step replayed from a CUDA graph must not sync to read them
+        object.__setattr__(self, "_group_bits", tuple(int(b) for b in self.bits.long().sum(1).cpu()))
 
     # ------------------------------------------------------------------ sizes and the slot layout
 
@@ -112,7 +115,7 @@ class TransformCodec:
 
     @property
     def max_bits(self) -> int:
-        return int(self.bits.max())
+        return self._max_bits
 
     @property
     def device(self) -> torch.device:
@@ -121,7 +124,7 @@ class TransformCodec:
     @property
     def group_bits(self) -> list[int]:
         """Code bits of each group (the gain not included)."""
-        return [int(b) for b in self.bits.long().sum(1)]
+        return list(self._group_bits)
 
     @property
     def group_bytes(self) -> list[int]:

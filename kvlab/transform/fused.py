@@ -13,9 +13,9 @@ What
 How
     One program per sequence, KV head and split of the context. For a tile of ``BT`` tokens and each width: the
     run's 32-bit words (coalesced), each pair of codes put into the mantissas of the fp16 pair ``1024 + code``
-    by a shift, a mask and an or (compiled: two codes a 32-bit operation, split into halves by one ``mov``), and
-    one tensor-core product with the group's scaled queries (keys) or its weights (values). The 1024 adds the
-    same to every score of a query, and ``1024 sum_t p_t`` to each value sum, taken off once per split. Within a
+    by a shift, a mask and an or (compiled: two codes a 32-bit operation), and
+    one tensor-core product with the group's scaled queries (keys) or its weights (values); one ``sub.f16x2`` per
+    pair takes the 1024 off first, so that the products sum the codes themselves. Within a
     word the tile holds the codes in the order ``j, j + J`` of each fp16 pair ``j`` (``J`` pairs a word);
     the launcher puts the queries in that order and the sums back. Splits are combined by their log-sum-exp.
 
@@ -32,14 +32,14 @@ import triton
 import triton.language as tl
 
 from .. import _checks as C
-from .._kernels.mse_tile import halves, join_all
+from .._kernels.mse_tile import join_all
 from .._kernels.tables import compiled, interpreted
 from .codec import TransformCodec
 
 __all__ = ["WIDTHS", "decode_attention", "fused_layout"]
 
 WIDTHS = (8, 4, 2)  # the runs of a fused row, in order; 0-bit components are not stored
-MAGIC = 1024.0  # fp16 1024 + code: the code in the mantissa
+_CODES = tl.constexpr("{.reg .b32 m, t; mov.b32 m, 0x64006400; sub.f16x2 t, $2, m; mov.b32 {$0, $1}, t;}")
 GRID_TOLERANCE = 1e-4  # levels lo + j step to this fraction of the largest level of a component (float32)
 BLOCK_TOKENS = 64
 MIN_DOT = 16
@@ -88,10 +88,16 @@ def _tile_order(count: int, width: int, words_padded: int) -> torch.Tensor:
 
 
 @triton.jit
+def _codes(x):
+    """int32 whose halves are the fp16 numbers ``1024 + code`` -> the two codes as fp16 (exact): one ``sub.f16x2``."""
+    return tl.inline_asm_elementwise(_CODES, "=h,=h,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
 def _run_tile(p_words, m_t, WORD0: tl.constexpr, NW: tl.constexpr, NWP: tl.constexpr, W: tl.constexpr,
               BT: tl.constexpr, FAST: tl.constexpr):
-    """fp16 ``[BT, NWP * 32 / W]``: ``1024 + code`` of the run of ``NW`` words at word ``WORD0`` of each token's
-    slot (``p_words [BT]``: the slots' first words), in tile order (module docstring); 0 past the run."""
+    """fp16 ``[BT, NWP * 32 / W]``: the codes of the run of ``NW`` words at word ``WORD0`` of each token's slot
+    (``p_words [BT]``: the slots' first words), in tile order (module docstring); 0 past the run."""
     PER: tl.constexpr = 32 // W
     J: tl.constexpr = PER // 2
     MASK: tl.constexpr = ((1 << W) - 1) * 65537  # the code bits of both halves
@@ -103,7 +109,7 @@ def _run_tile(p_words, m_t, WORD0: tl.constexpr, NW: tl.constexpr, NWP: tl.const
         for j in tl.static_range(J):
             pairs = pairs + (((b_w >> (W * j)) & MASK) | 0x64006400,)
         LEVELS: tl.constexpr = 3 if J == 8 else (2 if J == 4 else 1)
-        b_lo, b_hi = halves(join_all(pairs, LEVELS))
+        b_lo, b_hi = _codes(join_all(pairs, LEVELS))
         return tl.reshape(tl.join(b_lo, b_hi), [BT, N])
     else:  # the same numbers by plain integer arithmetic (Triton's interpreter runs no PTX)
         o_p = tl.arange(0, N)
@@ -112,7 +118,7 @@ def _run_tile(p_words, m_t, WORD0: tl.constexpr, NW: tl.constexpr, NWP: tl.const
         shift = (within // 2 + J * (within % 2)) * W
         b_w = tl.load(p_words[:, None] + WORD0 + o_w[None, :], mask=m_t[:, None] & (o_w < NW)[None, :], other=0)
         b_c = (b_w.to(tl.int32) >> shift[None, :]) & ((1 << W) - 1)
-        return (b_c.to(tl.float32) + 1024.0).to(tl.float16)
+        return b_c.to(tl.float32).to(tl.float16)
 
 
 @triton.jit
@@ -301,7 +307,7 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, key_codec: Tran
     top = m.amax(1, keepdim=True)
     w = torch.where(torch.isfinite(m), torch.exp(m - torch.where(torch.isfinite(top), top, 0)), torch.zeros_like(m))
     total = (lsum * w).sum(1)  # [B, H, GP]: 0 over no token
-    codes = (acc * w[..., None]).sum(1) / total.clamp_min(1e-30)[..., None] - MAGIC  # [B, H, GP, VN]
+    codes = (acc * w[..., None]).sum(1) / total.clamp_min(1e-30)[..., None]  # [B, H, GP, VN]
     mean_code = torch.zeros(batch, heads, group, dim + 1, device=device)
     mean_code[..., vp["index"]] = codes[:, :, :group]  # padded columns land on the spare last one
     y = vp["lo"][None, :, None] + vp["step"][None, :, None] * mean_code[..., :dim]  # [B, H, G, D]
@@ -310,9 +316,8 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, key_codec: Tran
     x = torch.where(some, x, torch.zeros_like(x)).reshape(batch, q_heads, dim)
     if not return_lse:
         return x
-    # the scores without the constants the softmax ignores: q . mean_h + sum_c qt_c lo_c, less the 1024 of each code
+    # the scores without the constants the softmax ignores: q . mean_h + sum_c qt_c lo_c
     qt0 = torch.einsum("bhgd,hcd->bhgc", qf, kp["inverse"])
-    const = (torch.einsum("bhgd,hd->bhg", qf, kp["mean"]) + (qt0 * kp["lo"][None, :, None]).sum(-1)) * scale \
-        - MAGIC * scale * unscale * qs[:, :, :group].float().sum(-1)
+    const = (torch.einsum("bhgd,hd->bhg", qf, kp["mean"]) + (qt0 * kp["lo"][None, :, None]).sum(-1)) * scale
     lse = top[:, 0, :, :group] + torch.log(total[:, :, :group]) + const  # -inf over no token
     return x, lse.reshape(batch, q_heads)
