@@ -45,3 +45,4 @@ def test_use_page_code_runs(monkeypatch, tmp_path):
     assert ns["t_cache"].transform is ns["kv"] and ns["t_cache"].get_seq_length() > 0
     assert (tmp_path / "transform-3.5.pt").is_file()
     assert abs(ns["kv3"].bits_per_element() - ns["kv"].bits_per_element() + 0.5) < 0.1  # the global codec at 3.0 bits
+    assert ns["out_fused"].path == "fused" and ns["kv_fused"].bits_per_element() <= 3.5

@@ -330,7 +330,8 @@ def _fused_allocate(units: list[list[dict]], weights: list[float], budget: int) 
     ``FUSED_WIDTHS`` per block of ``FUSED_BLOCK`` component ranks, the same for every head (components past the
     last whole block get none). ``budget`` code bits per token over all units and heads go, a step to the next
     width at a time, to the block whose weighted distortion falls most per bit (a step past the bits left is
-    skipped). Returns ``[dim]`` widths per unit."""
+    skipped). Every unit keeps its first block at 2 bits at least (a row of no bits stores nothing to decode).
+    Returns ``[dim]`` widths per unit."""
     sums, state, heap = [], [], []
     for unit in units:
         curves = sum(f["curves"] for f in unit)  # [D, MAX_BITS + 1]: the heads' distortions summed
@@ -345,10 +346,13 @@ def _fused_allocate(units: list[list[dict]], weights: list[float], budget: int) 
             cost = (nxt - now) * FUSED_BLOCK * len(units[u])
             heapq.heappush(heap, (-weights[u] * float(sums[u][k, now] - sums[u][k, nxt]) / cost, u, k, nxt, cost))
 
+    left = budget
     for u in range(len(units)):
+        if state[u]:
+            state[u][0] = FUSED_WIDTHS[1]
+            left -= FUSED_WIDTHS[1] * FUSED_BLOCK * len(units[u])
         for k in range(len(state[u])):
             push(u, k)
-    left = budget
     while heap:
         _, u, k, nxt, cost = heapq.heappop(heap)
         if cost <= left:
