@@ -43,6 +43,9 @@ _CODES = tl.constexpr("{.reg .b32 m, t; mov.b32 m, 0x64006400; sub.f16x2 t, $2, 
 GRID_TOLERANCE = 1e-4  # levels lo + j step to this fraction of the largest level of a component (float32)
 BLOCK_TOKENS = 64
 MIN_DOT = 16
+# launch defaults (sm_90, H100): programs per SM the context's splits aim at (each program a run of tiles; more
+# programs hide the latency of a tile's reads), warps and pipeline stages of a program
+_LAUNCH = {"programs_per_sm": 8, "warps": 4, "stages": 2}
 
 
 def fused_layout(codec: TransformCodec) -> dict | None:
@@ -278,7 +281,7 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, key_codec: Tran
     block = BLOCK_TOKENS
     if splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        splits = max(1, min(C.cdiv(span, 512), C.cdiv(2 * sms, batch * heads)))
+        splits = max(1, min(C.cdiv(span, 4 * block), C.cdiv(_LAUNCH["programs_per_sm"] * sms, batch * heads)))
     split_len = C.cdiv(C.cdiv(span, splits), block) * block
     splits = C.cdiv(span, split_len)
     # the scaled queries in the keys' tile order: qs = (q inverse_h^T) * step, padded columns zero
@@ -302,7 +305,7 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, key_codec: Tran
         KSLOT_WORDS=key_codec.group_bytes[0] // 4, VROW_WORDS=value_codec.row_bytes // 4,
         VSLOT_WORDS=value_codec.group_bytes[0] // 4, K8=k8, K4=k4, K2=k2, K8P=k8p, K4P=k4p, K2P=k2p,
         V8=v8, V4=v4, V2=v2, V8P=v8p, V4P=v4p, V2P=v2p, KN=kp["columns"], VN=vp["columns"], KQ4=kq4, KQ2=kq2, VA4=va4, VA2=va2, FAST=fast,
-        STEPS=split_len // block if interpreted() else 0, num_warps=4, num_stages=2)
+        STEPS=split_len // block if interpreted() else 0, num_warps=_LAUNCH["warps"], num_stages=_LAUNCH["stages"])
     # combine the splits; the mean code of every value component; back to the model's space once
     top = m.amax(1, keepdim=True)
     w = torch.where(torch.isfinite(m), torch.exp(m - torch.where(torch.isfinite(top), top, 0)), torch.zeros_like(m))
