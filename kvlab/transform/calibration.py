@@ -188,36 +188,49 @@ def _lloyd(u: torch.Tensor, w: torch.Tensor, levels: int, sums=None) -> tuple[to
     return c, err.clamp_min(0) / cw[:, -1]
 
 
-def _grid(u: torch.Tensor, w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid(u: torch.Tensor, w: torch.Tensor, levels: int, sums=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted uniform quantizers of every row of ``u [C, N]`` (weights ``w [N]``) with ``levels`` levels
     ``lo + j step``: ascending centroids ``[C, levels]`` and the weighted mean squared error of each row ``[C]``.
 
     Alternates the nearest level of each sample with the weighted least-squares ``(lo, step)`` of the samples given
-    their levels, from the grid spanning the ``0.5 / levels`` and ``1 - 0.5 / levels`` quantiles."""
-    u, w = u.double(), w.double()
-    total = w.sum()
+    their levels, from the grid spanning the ``0.5 / levels`` and ``1 - 0.5 / levels`` quantiles. As in ``_lloyd``,
+    each row is sorted once (``sums``: ``_prefix_sums(u, w)``) and a level's samples are a run of it."""
+    su, cw, cwu, cwuu = _prefix_sums(u, w) if sums is None else sums
+    rows, n = su.shape
+    total = cw[:, -1]
     if levels == 1:
-        c = (u * w).sum(1, keepdim=True) / total
-        return c, ((u - c).square() * w).sum(1) / total
-    q = torch.quantile(u[:, :: max(1, u.shape[1] // 65536)], torch.tensor([0.5 / levels, 1 - 0.5 / levels],
-                                                                        dtype=u.dtype), dim=1)  # [2, C]
-    lo = q[0]
-    step = ((q[1] - q[0]) / (levels - 1)).clamp_min(1e-12)
+        c = cwu[:, -1:] / total[:, None]
+        return c, (cwuu[:, -1] - cwu[:, -1] ** 2 / total).clamp_min(0) / total
+    pad = lambda t: torch.cat([torch.zeros(rows, 1, dtype=t.dtype), t], 1)
+    cw0, cwu0, cwuu0 = pad(cw), pad(cwu), pad(cwuu)
+    at = lambda p: torch.searchsorted(cw, (p * total)[:, None]).clamp(max=n - 1)[:, 0]
+    lo = su.gather(1, at(0.5 / levels)[:, None])[:, 0]
+    step = ((su.gather(1, at(1 - 0.5 / levels)[:, None])[:, 0] - lo) / (levels - 1)).clamp_min(1e-12)
+    j = torch.arange(levels, dtype=su.dtype)
+
+    def cells(lo, step):  # per level: its samples' weight, weighted sum, weighted sum of squares
+        edges = lo[:, None] + step[:, None] * (j[:-1] + 0.5)  # samples above edge k are at level k + 1 or more
+        at = torch.cat([torch.zeros(rows, 1, dtype=torch.long), torch.searchsorted(su, edges.contiguous(), right=True),
+                        torch.full((rows, 1), n, dtype=torch.long)], 1)
+        diff = lambda c: c.gather(1, at[:, 1:]) - c.gather(1, at[:, :-1])
+        return diff(cw0), diff(cwu0), diff(cwuu0)
+
     for _ in range(LLOYD_ITERATIONS):
-        j = ((u - lo[:, None]) / step[:, None]).round().clamp(0, levels - 1)
-        sw, sj, sjj = total, (w * j).sum(1), (w * j * j).sum(1)
-        su, sju = (w * u).sum(1), (w * j * u).sum(1)
-        det = sw * sjj - sj * sj
-        ok = det > 1e-12 * sw * sjj.clamp_min(1e-30)
-        new_step = torch.where(ok, (sw * sju - sj * su) / det.clamp_min(1e-300), step).clamp_min(1e-12)
-        new_lo = torch.where(ok, (su - new_step * sj) / sw, lo)
+        mass, wu, _ = cells(lo, step)
+        sj, sjj, sju = (mass * j).sum(1), (mass * j * j).sum(1), (wu * j).sum(1)
+        su_ = wu.sum(1)
+        det = total * sjj - sj * sj
+        ok = det > 1e-12 * total * sjj.clamp_min(1e-30)
+        new_step = torch.where(ok, (total * sju - sj * su_) / det.clamp_min(1e-300), step).clamp_min(1e-12)
+        new_lo = torch.where(ok, (su_ - new_step * sj) / total, lo)
         done = bool(((new_step - step).abs() <= 1e-7 * step).all() and ((new_lo - lo).abs() <= 1e-7 * step).all())
         lo, step = new_lo, new_step
         if done:
             break
-    j = ((u - lo[:, None]) / step[:, None]).round().clamp(0, levels - 1)
-    err = ((u - lo[:, None] - step[:, None] * j).square() * w).sum(1) / total
-    return lo[:, None] + step[:, None] * torch.arange(levels, dtype=u.dtype), err
+    mass, wu, wuu = cells(lo, step)
+    c = lo[:, None] + step[:, None] * j
+    err = (wuu - 2 * c * wu + c.square() * mass).sum(1)
+    return c, err.clamp_min(0) / total
 
 
 def _prefix_sums(u: torch.Tensor, w: torch.Tensor):
@@ -284,10 +297,10 @@ def fit_curves(x: torch.Tensor, weight: torch.Tensor, *, groups: int, gain: bool
         uu = (y / s.clamp_min(1e-30)[:, None]).T.contiguous()  # [width, N]
         w = s.square()
         curves = torch.full((width, MAX_BITS + 1), math.nan, dtype=torch.float64)
-        cents, sums = [], None if grid else _prefix_sums(uu, w)
+        cents, sums = [], _prefix_sums(uu, w)
         for b in range(MAX_BITS + 1):
             if grid and b in FUSED_WIDTHS:
-                c, d = _grid(uu, w, 1 << b)
+                c, d = _grid(uu, w, 1 << b, sums)
             elif not grid and b <= FIT_BITS:
                 c, d = _lloyd(uu, w, 1 << b, sums)
             else:

@@ -155,6 +155,9 @@ def test_saved_calibration_codes_the_same(tiny, tmp_path):
     (dict(bits=0.2), ValueError, r"bits=0.2 leaves no bits for the codes: .* bits must be at least 0\.2"),
     (dict(bits=1.0, context=32), ValueError, r"bits=1.0 leaves no bits for the codes"),
     (dict(allocation="global", reference_bits=0.1), ValueError, r"reference_bits=0.1 leaves no bits"),
+    (dict(layout="grid"), ValueError, "layout"),
+    (dict(layout="fused"), ValueError, r"layout='fused' needs groups='head'.*got groups='joint', keys='pre_rope'"),
+    (dict(layout="fused", groups="head", keys="post_rope", allocation="uniform"), ValueError, "allocation='uniform'"),
 ])
 def test_bad_arguments(tiny, kwargs, error, match):
     model, ids, data = tiny
@@ -327,3 +330,48 @@ def test_a_damaged_or_edited_calibration_is_refused(tiny, tmp_path):
     with pytest.raises(ValueError) as info:
         TransformKV.load(tmp_path / "code.pt")
     assert "weights_only" not in str(info.value), "no advice to load an untrusted file unsafely"
+
+
+def test_uniform_levels_minimise_their_error():
+    """``_grid``: the levels are evenly spaced, and no nearby spacing or offset lowers the weighted error by more than
+    1 % (a finite sample's error is rough in the offset: a few samples change level)."""
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(3, 4000, generator=g, dtype=torch.float64) * torch.tensor([[0.5], [1.0], [3.0]], dtype=torch.float64)
+    w = torch.rand(4000, generator=g, dtype=torch.float64)
+    for levels in (1, 4, 16):
+        c, err = CAL._grid(u, w, levels)
+        assert c.shape == (3, levels) and torch.allclose(c.diff(dim=1), c.diff(dim=1)[:, :1].expand(-1, levels - 1))
+
+        def error(lo, step):
+            q = (lo + step * ((u - lo) / step).round().clamp(0, levels - 1)) if levels > 1 else lo
+            return ((u - q).square() * w).sum(1) / w.sum()
+
+        lo, step = c[:, :1], (c[:, 1:2] - c[:, :1]) if levels > 1 else torch.ones(3, 1, dtype=torch.float64)
+        assert torch.allclose(error(lo, step), err)
+        for f in (0.97, 1.03):
+            for other in (error(lo, step * f), error(lo + (f - 1) * step, step)):
+                assert bool((other >= 0.99 * err).all()), (levels, other / err)
+
+
+@pytest.mark.parametrize("allocation", ["greedy", "global"])
+def test_the_fused_layout(tiny, allocation):
+    """``layout="fused"``: codecs that kvlab.transform.fused reads (uniform levels; widths 8, 4, 2 or 0, widest first,
+    the same for every head, in runs of whole words), within the budget, coding as the reference encoder does."""
+    from kvlab.transform.fused import fused_layout
+
+    model, ids, data = tiny
+    kv = CAL.calibrate(model, ids[:384], bits=3.5, groups="head", keys="post_rope", layout="fused",
+                       allocation=allocation, window=128, captured=data, sink=1, residual=4, context=128)
+    assert kv.rope is None and kv.sink == 1 and kv.residual == 4
+    for codec in (*kv.keys, *kv.values):
+        layout = fused_layout(codec)
+        assert layout is not None and codec.groups == 2 and not codec.gain
+        row = codec.bits[0].long()
+        assert bool((row[1:] <= row[:-1]).all()) and int(row[0]) >= 2
+        assert sum(layout["counts"]) == int((row > 0).sum()) and all(n % 16 == 0 for n in layout["counts"])
+    held = (kv.bits_per_element() * (128 - 5) + 16 * 5) / 128
+    assert held <= 3.5 + 1e-9
+    x = data[0]["keys"].reshape(-1, 32)
+    y = R.transform(kv.keys[0], x)
+    codes, gain = R.quantize(kv.keys[0], y)
+    assert torch.equal(R.unpack(kv.keys[0], R.pack(kv.keys[0], codes, gain))[0], codes)
