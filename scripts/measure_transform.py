@@ -80,15 +80,12 @@ CONFIGS = {  # name: changes to BASE
     "global 3.5": dict(allocation="global"),
     "global 3.0": dict(bits=3.0, allocation="global"),
     "global 2.5": dict(bits=2.5, allocation="global"),
-    # the layout the fused decode reads: a transform per KV head, keys after RoPE (the query turns into the codes'
-    # space once a step), bits pooled across layers and keys/values
-    "fused 3.5": dict(groups="head", keys="post_rope", allocation="global"),
-    "fused 3.0": dict(bits=3.0, groups="head", keys="post_rope", allocation="global"),
-    "fused 2.5": dict(bits=2.5, groups="head", keys="post_rope", allocation="global"),
-    "fused 3.5, bits per layer": dict(groups="head", keys="post_rope"),
-    "fused 3.5, keys before RoPE": dict(groups="head", allocation="global"),
-    "fused 3.5, no window": dict(groups="head", keys="post_rope", allocation="global", residual=0),
-    "fused 3.5, no weighting": dict(groups="head", keys="post_rope", allocation="global", weighting=False),
+    # the layout the fused decode reads (kvlab.transform.fused): a transform per KV head, keys after RoPE (the query
+    # turns into the codes' space once a step), uniform levels at 8, 4, 2 or 0 bits, bits pooled across layers
+    "fused 3.5": dict(groups="head", keys="post_rope", allocation="global", layout="fused"),
+    "fused 2.5": dict(bits=2.5, groups="head", keys="post_rope", allocation="global", layout="fused"),
+    "fused 3.5, bits per layer": dict(groups="head", keys="post_rope", layout="fused"),
+    "3.5, per head, keys after RoPE, across layers": dict(groups="head", keys="post_rope", allocation="global"),
 }
 COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
 

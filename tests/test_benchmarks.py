@@ -85,6 +85,15 @@ def test_bench_transform_smoke():
     assert "relative error" in proc.stdout
 
 
+@CPU_ONLY
+def test_bench_fused_smoke():
+    """bench_fused.py --smoke: the fused transform decode against its reference at tiny shapes."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_fused", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "relative error" in proc.stdout
+
+
 def test_the_gluon_hooks_the_codec_benchmark_watches_exist():
     """bench_codecs.py names the kernel each timing ran (Gluon or Triton) by watching one function per Gluon
     kernel; on a CPU it never looks, so a renamed module would only fail on the GPU."""

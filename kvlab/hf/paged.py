@@ -61,6 +61,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import _checks as C
 from .cache import KVFormat, check_transform, model_shape
+from .held import attend_held, store_held
 from ..layout import AffineSlot
 from ..affine.paged import AffineStoreStep
 from ..attention.api import DecodeStep
@@ -292,56 +293,7 @@ class PagedKVCacheLayer(CacheLayerMixin):
             else:
                 TR.write_rows(cache.view(-1, codec.row_bytes), slots, TR.pack(codec, *TR.quantize(codec, y)))
         if self.kv16 is not None:
-            self._store16(key, value, n, valid)
-
-    def _store16(self, key, value, n: int, valid) -> None:
-        """The fp16 copies of the sink tokens and of the last ``residual`` tokens (a ring: position ``p`` at
-        ``sink + p % residual``). A decode step writes without a host sync."""
-        o = self.owner
-        sink, residual = o.transform.sink, o.transform.residual
-        kv = torch.stack([key, value], 2).transpose(1, 3).to(torch.float16)  # [B, n, K/V, H, D]
-        rows = torch.arange(o.batch, device=o.device)
-        if n == 1 and valid is None:  # a decode step: position seq_lens (before this token is counted)
-            pos = self.seq_lens.long()
-            new = kv[:, 0]  # [B, K/V, H, D]
-            if sink:
-                at = pos.clamp(max=sink - 1)
-                self.kv16[rows, at] = torch.where((pos < sink)[:, None, None, None], new, self.kv16[rows, at])
-            if residual:
-                self.kv16[rows, sink + pos % residual] = new
-            return
-        rank = torch.arange(n, device=o.device).expand(o.batch, n) if valid is None else valid.long().cumsum(1) - 1
-        keep = torch.ones(o.batch, n, dtype=torch.bool, device=o.device) if valid is None else valid
-        pos = self.seq_lens.long()[:, None] + rank  # [B, n]
-        end = self.seq_lens.long() + keep.sum(1)  # [B]: tokens held after this store
-        b, j = torch.nonzero(keep & (pos < sink), as_tuple=True)
-        self.kv16[b, pos[b, j]] = kv[b, j]
-        if residual:
-            b, j = torch.nonzero(keep & (pos >= (end[:, None] - residual)), as_tuple=True)
-            self.kv16[b, sink + pos[b, j] % residual] = kv[b, j]
-
-    def _attend16(self, q: torch.Tensor, scale: float, lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-        """Merge the attention over the coded tokens (``out [B, Hq, D]``, ``lse [B, Hq]``) with the attention over the
-        fp16 copies, by their log-sum-exp: the output over every token."""
-        o = self.owner
-        sink, residual = o.transform.sink, o.transform.residual
-        batch, q_heads, dim = q.shape
-        heads = o.num_kv_heads
-        lens = lens.long()[:, None]  # [B, 1]
-        j = torch.arange(sink + residual, device=q.device)[None, :]
-        r = (j - sink).clamp_min(0)
-        at = lens - 1 - (lens - 1 - r) % max(residual, 1)  # position held by ring entry r
-        valid = torch.where(j < sink, j < lens, (at >= sink) & (at >= 0))  # [B, S + R]
-        k16, v16 = self.kv16[:, :, 0].float(), self.kv16[:, :, 1].float()  # [B, S + R, H, D]
-        qg = q.float().view(batch, heads, q_heads // heads, dim)
-        s = torch.einsum("bhgd,bjhd->bhgj", qg, k16) * scale
-        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-        lse16 = torch.logsumexp(s, -1)  # [B, H, G]
-        out16 = torch.einsum("bhgj,bjhd->bhgd", torch.softmax(s, -1), v16).reshape(batch, q_heads, dim)
-        lse16 = lse16.reshape(batch, q_heads)
-        total = torch.logaddexp(lse, lse16)
-        w, w16 = torch.exp(lse - total), torch.exp(lse16 - total)
-        return out.float() * w[..., None] + out16 * w16[..., None]
+            store_held(self.kv16, self.seq_lens, key, value, valid, o.transform.sink, o.transform.residual)
 
     def decode(self, q: torch.Tensor, scale: float, block_table=None, seq_lens=None, backend=None) -> torch.Tensor:
         """Attention of ``q [B, Hq, D]`` (one token per sequence) over the stored tokens: ``[B, Hq, D]``."""
@@ -360,7 +312,7 @@ class PagedKVCacheLayer(CacheLayerMixin):
                     out, lse = TR.decode_attention(*args, scale=scale, first=sink, return_lse=True)
                 else:
                     out, lse = transform_decode(*args, scale=scale, check=False, first=sink, return_lse=True)
-                return self._attend16(q, scale, lens, out, lse).to(q.dtype)
+                return attend_held(self.kv16, q, scale, lens, out, lse, sink, residual).to(q.dtype)
             args = (q, self.k_cache, self.v_cache, table, lens, self.key_codec, self.value_codec)
             if (backend or o.backend) == "reference":
                 return TR.decode_attention(*args, scale=scale, rope=o.transform.rope).to(q.dtype)

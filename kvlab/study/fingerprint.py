@@ -27,7 +27,7 @@ from ..centered.reference import CenteredMSECodec
 from ..affine.reference import AffineCodec
 from ..mse.reference import MSECodec
 
-__all__ = ["codec_fingerprint", "fused_fingerprint", "source_fingerprint", "transform_fingerprint"]
+__all__ = ["codec_fingerprint", "source_fingerprint", "transform_fingerprint"]
 
 PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -126,27 +126,6 @@ def transform_fingerprint() -> str:
             h.update(f"transform {groups} {allocation}".encode())
             h.update(codec.bits.numpy().tobytes())
             h.update(TR.encode(codec, x.reshape(512, 32)).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def fused_fingerprint() -> str:
-    """SHA-256 (hex, 16 characters) of the codes of transform codecs in the fused layout calibrated on fixed synthetic
-    vectors (``kvlab.transform.calibration``: uniform levels, widths by block, the order of the components) and of
-    their encoding."""
-    from ..transform import reference as TR
-    from ..transform.calibration import _fused_allocate, _fused_codec, fit_curves
-
-    g = torch.Generator().manual_seed(20261207)
-    x = _vectors(512, 2, 32) @ torch.randn(32, 32, generator=g)  # correlated channels
-    a = torch.randn(2, 32, 32, generator=g, dtype=torch.float64)
-    weight = a @ a.transpose(1, 2) / 32 + torch.eye(32, dtype=torch.float64)
-    h = hashlib.sha256()
-    fits = fit_curves(x, weight, groups=2, gain=False, grid=True)
-    for budget in (64, 96, 160):
-        codec = _fused_codec(fits, _fused_allocate([fits], [1.0], budget)[0])
-        h.update(f"fused {budget}".encode())
-        h.update(codec.bits.numpy().tobytes())
-        h.update(TR.encode(codec, x.reshape(512, 64)).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
