@@ -43,9 +43,9 @@ _CODES = tl.constexpr("{.reg .b32 m, t; mov.b32 m, 0x64006400; sub.f16x2 t, $2, 
 GRID_TOLERANCE = 1e-4  # levels lo + j step to this fraction of the largest level of a component (float32)
 BLOCK_TOKENS = 64
 MIN_DOT = 16
-# launch defaults (sm_90, H100): programs per SM the context's splits aim at (each program a run of tiles; more
-# programs hide the latency of a tile's reads), warps and pipeline stages of a program
-_LAUNCH = {"programs_per_sm": 8, "warps": 4, "stages": 2}
+# launch defaults (not tuned): programs per SM the context's splits aim at (each program a run of tiles of at least
+# 8 tiles), warps and pipeline stages of a program
+_LAUNCH = {"programs_per_sm": 2, "warps": 4, "stages": 2}
 
 
 def fused_layout(codec: TransformCodec) -> dict | None:
@@ -281,7 +281,7 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, key_codec: Tran
     block = BLOCK_TOKENS
     if splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        splits = max(1, min(C.cdiv(span, 4 * block), C.cdiv(_LAUNCH["programs_per_sm"] * sms, batch * heads)))
+        splits = max(1, min(C.cdiv(span, 8 * block), C.cdiv(_LAUNCH["programs_per_sm"] * sms, batch * heads)))
     split_len = C.cdiv(C.cdiv(span, splits), block) * block
     splits = C.cdiv(span, split_len)
     # the scaled queries in the keys' tile order: qs = (q inverse_h^T) * step, padded columns zero
