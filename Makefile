@@ -49,13 +49,16 @@ test: setup
 		wait $$pytest_pid || true
 		exit $$notebooks
 	fi
+	# the browser check of the built site while pytest finishes
+	site=0
+	$(PY) scripts/check_site.py || site=$$?
 	tests=0
 	wait $$pytest_pid || tests=$$?
 	trap - EXIT
 	cat _build/pytest.log
 	echo "make: pytest done after $$((SECONDS - start))s (exit code $$tests)"
 	if [ $$tests != 0 ]; then exit $$tests; fi
-	$(PY) scripts/check_site.py
+	if [ $$site != 0 ]; then exit $$site; fi
 	echo "make: test passed in $$((SECONDS - start))s"
 
 clean:
