@@ -22,8 +22,6 @@ measured copy bandwidth, ``share_of_floor`` the floor over the time.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
 import sys
 from pathlib import Path
@@ -88,7 +86,7 @@ def main() -> int:
 
     import kvlab
     from benchmarks.bench_decode import copy_bandwidth
-    from benchmarks.common import bench_graph, run_tests, write_csv
+    from benchmarks.common import bench_graph, run_meta, run_tests, write_run
     from kvlab.layout import MSESlot
 
     tests = run_tests(["tests/ops/test_transform_attention.py"], args.tests_log)
@@ -152,17 +150,11 @@ def main() -> int:
             r["speedup_vs_sdpa"] = sdpa_ms / r["ms"]
             print(f"B={batch:2d} ctx={context:6d} {r['method'][:34]:34s} {r['ms']:.4f} ms  floor {r['floor_ms']:.4f}  "
                   f"{100 * r['share_of_floor']:.0f} %  {r['speedup_vs_sdpa']:.2f}x SDPA", flush=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m benchmarks.bench_fused" + "".join(f" {a}" for a in sys.argv[1:]),
-            "copy_gb_per_s": round(bandwidth, 1), "check_rel_err": err, "tests": tests["summary"]}
+    meta = run_meta("bench_fused", copy_gb_per_s=round(bandwidth, 1), check_rel_err=err, tests=tests["summary"])
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        keys = ["batch", "context", "kv_heads", "q_heads", "head_dim", "method", "config", "bits_per_element", "ms",
-                "floor_ms", "share_of_floor", "speedup_vs_sdpa", "bytes"]
-        write_csv(out / "fused_decode.csv", rows, keys, {k: meta[k] for k in ("device", "torch", "triton", "date")})
-        (out / "fused_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+        write_run(args.out, "fused_decode", rows, ["batch", "context", "kv_heads", "q_heads", "head_dim", "method",
+                                                   "config", "bits_per_element", "ms", "floor_ms", "share_of_floor",
+                                                   "speedup_vs_sdpa", "bytes"], meta)
     return 0
 
 

@@ -21,8 +21,6 @@ valid fp16 gains in shuffled blocks of 16 tokens.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import sys
 from pathlib import Path
 
@@ -107,7 +105,7 @@ def main() -> int:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     from benchmarks.bench_decode import copy_bandwidth
-    from benchmarks.common import bench_graph, run_tests, write_csv
+    from benchmarks.common import bench_graph, run_meta, run_tests, write_run
     from kvlab.attention import decode_attention as mse_decode
 
     tests = run_tests(["tests/ops/test_transform_attention.py", "tests/ops/test_transform.py",
@@ -189,17 +187,11 @@ def main() -> int:
     for r in rows:
         t = r["graph_ms"] or r["ms"]
         r["gb_per_s"] = round(r["bytes"] / t / 1e6, 1)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m benchmarks.bench_transform" + "".join(f" {a}" for a in sys.argv[1:]),
-            "copy_gb_per_s": round(bandwidth, 1), "check_rel_err": err, "tests": tests["summary"]}
+    meta = run_meta("bench_transform", copy_gb_per_s=round(bandwidth, 1), check_rel_err=err, tests=tests["summary"])
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        keys = ["shape", "batch", "context", "kv_heads", "q_heads", "head_dim", "method", "config", "bits_per_element",
-                "ms", "graph_ms", "bytes", "gb_per_s"]
-        write_csv(out / "transform_decode.csv", rows, keys, {k: meta[k] for k in ("device", "torch", "triton", "date")})
-        (out / "transform_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+        write_run(args.out, "transform_decode", rows, ["shape", "batch", "context", "kv_heads", "q_heads", "head_dim",
+                                                       "method", "config", "bits_per_element", "ms", "graph_ms",
+                                                       "bytes", "gb_per_s"], meta)
     return 0
 
 

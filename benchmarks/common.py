@@ -4,6 +4,8 @@ CUDA graph, writing result CSVs, filling a cache with the reference encoder's co
 from __future__ import annotations
 
 import csv
+import datetime as dt
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +64,26 @@ def write_csv(path: Path, rows: list[dict], keys: list[str], run: dict) -> None:
         w.writeheader()
         for r in rows:
             w.writerow({**{k: r.get(k, "") for k in keys}, **run})
+
+
+def run_meta(script: str, **extra) -> dict:
+    """What names a run of ``python -m benchmarks.<script>`` on this GPU: device, versions, date and command, then
+    ``extra``."""
+    import torch
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": f"python -m benchmarks.{script}" + "".join(f" {a}" for a in sys.argv[1:]), **extra}
+
+
+def write_run(out: str | Path, stem: str, rows: list[dict], keys: list[str], meta: dict) -> None:
+    """One run in folder ``out``: ``<stem>.csv`` (``write_csv``: the columns ``keys``, then the run's device,
+    versions and date) and ``<stem>.json`` (``meta`` and the rows)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / f"{stem}.csv", rows, keys, {k: meta[k] for k in ("device", "torch", "triton", "date")})
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
 
 
 def write_reference_slots(cache, slots, key_codec, value_codec, keys, values, layout, chunk: int = 1 << 18) -> None:

@@ -77,18 +77,11 @@ def test_ncu_load_summary_reads_the_committed_run(tmp_path):
 
 
 @CPU_ONLY
-def test_bench_transform_smoke():
-    """bench_transform.py --smoke: the transform decode against its reference at tiny shapes, both key modes."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_transform", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "relative error" in proc.stdout
-
-
-@CPU_ONLY
-def test_bench_fused_smoke():
-    """bench_fused.py --smoke: the fused transform decode against its reference at tiny shapes."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_fused", "--smoke"], cwd=ROOT, capture_output=True,
+@pytest.mark.parametrize("script", ["bench_transform", "bench_fused"])
+def test_bench_transform_smoke(script):
+    """bench_transform.py and bench_fused.py --smoke: the transform decode (any layout; the fused one) against its
+    reference at tiny shapes."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "relative error" in proc.stdout

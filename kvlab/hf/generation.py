@@ -124,7 +124,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
         if bool(mask.all()):
             attention_mask = None
     config = model.config
-    head_dim = model_shape(config, "kvlab.generate", sliding=True)[2]
+    _, kv_heads, head_dim = model_shape(config, "kvlab.generate", sliding=True)
     if fmt.codec == "transform" and transform is None:
         raise ValueError("KVFormat('transform') needs the calibrated codecs: kvlab.generate(..., transform="
                          "kvlab.transform.calibration.calibrate(model, calibration_ids))")
@@ -137,8 +137,7 @@ def generate(model, input_ids: torch.Tensor, fmt: KVFormat, max_new_tokens: int,
                          "key_stats=kvlab.calibration.calibrate_keys(model, calibration_ids))")
     why = fused_support(fmt, head_dim)
     held = (getattr(transform, "sink", 0), getattr(transform, "residual", 0)) if fmt.codec == "transform" else (0, 0)
-    fused_codes = fmt.codec == "transform" and in_fused_layout(transform, model_shape(config, "kvlab.generate",
-                                                                                      sliding=True)[1])
+    fused_codes = fmt.codec == "transform" and in_fused_layout(transform, kv_heads)
     if why is None and any(held) and not fused_codes:
         why = (f"the transform codecs keep the first {held[0]} and the last {held[1]} tokens in 16 bit, as calibrated; "
                f"the fused decode reads them with codes in the fused layout only (calibrate(..., layout='fused'))")

@@ -83,10 +83,9 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 def in_fused_layout(transform, num_kv_heads: int) -> bool:
     """Whether calibrated transform codecs are in the fused layout (``calibrate(..., layout="fused")``): their decode
     merges 16-bit sink and window tokens with the codes, and a step can be captured in a CUDA graph."""
-    from ..transform.fused import fused_layout
+    from ..transform.fused import in_layout
 
-    return transform.rope is None and all(fused_layout(c) is not None and c.groups == num_kv_heads
-                                          for c in (*transform.keys, *transform.values))
+    return transform.rope is None and in_layout((*transform.keys, *transform.values), num_kv_heads)
 
 
 def fused_support(fmt: KVFormat, head_dim: int) -> str | None:

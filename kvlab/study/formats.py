@@ -101,7 +101,9 @@ def first_windows(model, ids, caches, windows: int, stride: int, bos: int | None
 def committed_windows(per_window: dict, names, windows: int, stride: int, text: str = "pydoc") -> dict[str, float]:
     """name -> the same change (%) over the first ``windows`` windows of ``text`` in a committed run's ``per_window``."""
     import math
+    import statistics
 
-    base = per_window[text]["fp16"]["nll"][:windows]
-    return {name: 100 * math.expm1(sum(a - b for a, b in zip(per_window[text][name]["nll"][:windows], base))
-                                   / (windows * stride)) for name in names}
+    from .protocol import window_changes
+
+    return {name: 100 * math.expm1(statistics.fmean(window_changes(per_window, name, [text], stride)[:windows]))
+            for name in names}

@@ -39,7 +39,6 @@ import triton.language as tl
 from .. import _checks as C
 from . import fused
 from .codec import TransformCodec
-from .fused import fused_layout
 
 __all__ = ["decode_attention"]
 
@@ -288,7 +287,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             raise ValueError(f"block_table's entries for the first seq_lens tokens must be blocks in "
                              f"[0, {k_cache.shape[0]}), got values from {int(entries.min())} to {int(entries.max())}")
     group = q_heads // heads
-    is_fused = rope is None and all(c.groups == heads and fused_layout(c) is not None for c in (key_codec, value_codec))
+    is_fused = rope is None and fused.in_layout((key_codec, value_codec), heads)
     if (first or return_lse) and not is_fused:
         raise ValueError("first and return_lse are for codecs in the fused layout (calibrate(..., layout='fused')), "
                          "keys after RoPE")

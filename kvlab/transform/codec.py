@@ -31,6 +31,7 @@ Bits per element
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -322,8 +323,6 @@ class TransformKV:
 def _checksum(state: dict) -> str:
     """SHA-256 (hex) of a ``TransformKV`` state without its checksum: every tensor's dtype, shape and bytes and
     every plain value, in a fixed order."""
-    import hashlib
-
     h = hashlib.sha256()
 
     def add(value) -> None:

@@ -36,7 +36,7 @@ from .._kernels.mse_tile import join_all
 from .._kernels.tables import compiled, interpreted
 from .codec import TransformCodec
 
-__all__ = ["WIDTHS", "decode_attention", "fused_layout"]
+__all__ = ["WIDTHS", "decode_attention", "fused_layout", "in_layout"]
 
 WIDTHS = (8, 4, 2)  # the runs of a fused row, in order; 0-bit components are not stored
 _CODES = tl.constexpr("{.reg .b32 m, t; mov.b32 m, 0x64006400; sub.f16x2 t, $2, m; mov.b32 {$0, $1}, t;}")
@@ -77,6 +77,11 @@ def fused_layout(codec: TransformCodec) -> dict | None:
     cache["layout"] = {"counts": counts, "lo": lo.float(), "step": step.float(),
                        "slot_words": sum(n * w for n, w in zip(counts, WIDTHS)) // 32}
     return cache["layout"]
+
+
+def in_layout(codecs, heads: int) -> bool:
+    """Whether every codec of ``codecs`` is in the fused layout with a group per KV head (of ``heads``)."""
+    return all(c.groups == heads and fused_layout(c) is not None for c in codecs)
 
 
 def _tile_order(count: int, width: int, words_padded: int) -> torch.Tensor:
@@ -286,7 +291,8 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, key_codec: Tran
     splits = C.cdiv(span, split_len)
     # the scaled queries in the keys' tile order: qs = (q inverse_h^T) * step, padded columns zero
     qf = q.float().view(batch, heads, group, dim)
-    qt = torch.einsum("bhgd,hcd->bhgc", qf, kp["inverse"]) * kp["step"][None, :, None]
+    qt0 = torch.einsum("bhgd,hcd->bhgc", qf, kp["inverse"])  # q inverse_h^T
+    qt = qt0 * kp["step"][None, :, None]
     qt = torch.cat([qt, torch.zeros_like(qt[..., :1])], -1)[..., kp["index"]]  # [B, H, G, KN]
     qs = torch.zeros(batch, heads, gp, kp["columns"], device=device, dtype=torch.float16)
     qs[:, :, :group], unscale = C.fit_fp16(qt) if check else (qt.half(), 1.0)  # fp16 scores stay finite
@@ -320,7 +326,6 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, key_codec: Tran
     if not return_lse:
         return x
     # the scores without the constants the softmax ignores: q . mean_h + sum_c qt_c lo_c
-    qt0 = torch.einsum("bhgd,hcd->bhgc", qf, kp["inverse"])
     const = (torch.einsum("bhgd,hd->bhg", qf, kp["mean"]) + (qt0 * kp["lo"][None, :, None]).sum(-1)) * scale
     lse = top[:, 0, :, :group] + torch.log(total[:, :, :group]) + const  # -inf over no token
     return x, lse.reshape(batch, q_heads)
