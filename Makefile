@@ -1,8 +1,9 @@
 # kvlab: `make book` executes the notebooks and builds the book into _build/html;
 # `make test` runs the tests, builds the book with CPU-sized notebooks and checks the site
 # in a headless browser. `make book FULL=1` runs every notebook with `-p small False`.
-# `make test` runs pytest in the background (its output goes to _build/pytest.log and is printed
-# when it ends) while the notebooks execute, JOBS at a time (default 2).
+# `make test` runs pytest in the background, TEST_WORKERS processes taking whole test files (pytest-xdist;
+# its output goes to _build/pytest.log and is printed when it ends), while the notebooks execute, JOBS at a
+# time (default 2 each).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .ONESHELL:
@@ -13,6 +14,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.installed
 FULL_FLAG := $(if $(filter 1 yes true True,$(FULL)),--full)
 JOBS ?= 2
+TEST_WORKERS ?= 2
 
 .PHONY: book test setup clean
 
@@ -38,7 +40,7 @@ test: setup
 	# the converted models, once, before the tests and the notebooks load them side by side
 	$(PY) -c 'import kvlab; kvlab.load_model(); kvlab.load_model("gemma3-270m")'
 	echo "make: pytest -q tests in the background, output in _build/pytest.log (TRITON_INTERPRET=$${TRITON_INTERPRET:-unset})"
-	$(PY) -m pytest -q --durations=15 tests > _build/pytest.log 2>&1 &
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests > _build/pytest.log 2>&1 &
 	pytest_pid=$$!
 	trap 'kill $$pytest_pid 2>/dev/null || true' EXIT
 	notebooks=0
