@@ -36,6 +36,8 @@ test: setup
 		export TRITON_INTERPRET=1
 	fi
 	start=$$SECONDS
+	# the cores are shared by pytest's workers and the notebooks' kernels: idle OpenMP threads sleep, never spin
+	export OMP_WAIT_POLICY=PASSIVE
 	mkdir -p _build
 	# the converted models, once, before the tests and the notebooks load them side by side
 	$(PY) -c 'import kvlab; kvlab.load_model(); kvlab.load_model("gemma3-270m")'

@@ -53,7 +53,8 @@ import kvlab  # noqa: E402
 from kvlab import KVCache, KVFormat  # noqa: E402
 from kvlab.study.fingerprint import transform_fingerprint  # noqa: E402
 from kvlab.study.simulated import SimulatedCache, rope_tables, transform_part  # noqa: E402
-from kvlab.transform.calibration import calibrate, capture  # noqa: E402
+import kvlab.transform.calibration as CAL  # noqa: E402
+from kvlab.transform.calibration import FUSED_WIDTHS, calibrate, capture  # noqa: E402
 from measure_formats import EVAL_TOKENS, STRIDE, WINDOW, idle_manual, write_json  # noqa: E402
 
 CALIBRATION_TOKENS = 16384  # of each calibration source
@@ -85,6 +86,14 @@ CONFIGS = {  # name: changes to BASE
     "fused 3.5": dict(groups="head", keys="post_rope", allocation="global", layout="fused"),
     "fused 2.5": dict(bits=2.5, groups="head", keys="post_rope", allocation="global", layout="fused"),
     "fused 3.5, bits per layer": dict(groups="head", keys="post_rope", layout="fused"),
+    # keys coded jointly across a layer's KV heads (a query reads every head's key codes), values per head
+    "fused 3.5, joint keys": dict(groups="joint keys", keys="post_rope", allocation="global", layout="fused"),
+    "fused 3.5, joint": dict(groups="joint", keys="post_rope", allocation="global", layout="fused"),
+    # the same with every width 0 .. 8 (kvlab.transform.calibration.FUSED_WIDTHS for this config)
+    "fused 3.5, any width": dict(groups="head", keys="post_rope", allocation="global", layout="fused",
+                                 fused_widths=tuple(range(9))),
+    "fused 3.5, joint keys, any width": dict(groups="joint keys", keys="post_rope", allocation="global",
+                                             layout="fused", fused_widths=tuple(range(9))),
     "3.5, per head, keys after RoPE, across layers": dict(groups="head", keys="post_rope", allocation="global"),
 }
 COMMITTED = ROOT / "results" / "keys_at_three_bits.json"
@@ -139,6 +148,7 @@ def main() -> int:
     for name in args.configs:
         kw = {**BASE, **CONFIGS[name]}
         source = kw.pop("calibration")
+        CAL.FUSED_WIDTHS = kw.pop("fused_widths", FUSED_WIDTHS)
         if source not in captured:
             t0 = time.perf_counter()
             captured[source] = capture(model, calib[source], window=WINDOW)

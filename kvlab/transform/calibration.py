@@ -20,7 +20,8 @@ Per layer, for keys and values separately
        * ``weighting=False``: ``M = I`` (plain mean squared error).
 
     2. **The transform.** ``z = (x - mean) M^(1/2)`` (row vectors; per group of ``dim`` numbers:
-       the layer's heads jointly, ``groups="joint"``, or each head, ``groups="head"``) and the KLT
+       the layer's heads jointly, ``groups="joint"``, or each head, ``groups="head"``; ``"joint keys"``: keys
+       jointly, values per head) and the KLT
        ``U`` (eigenvectors of ``cov(z)``, largest variance first): ``forward = M^(1/2) U``,
        ``inverse = U^T M^(-1/2)``, so ``|y - y_hat|^2 = e^T M e``.
     3. **Codebooks.** With the per-token gain ``s = rms(y)`` (``gain=True``; by default 1: on SmolLM2 at 3.5 bits
@@ -58,7 +59,7 @@ from .codec import MAX_BITS, TransformCodec, TransformKV
 
 __all__ = ["assemble", "calibrate", "capture", "code_budget", "fit_codec", "fit_curves", "sensitivity"]
 
-GROUPS = ("joint", "head")
+GROUPS = ("joint", "head", "joint keys")
 KEYS = ("pre_rope", "post_rope")
 ALLOCATIONS = ("greedy", "uniform", "global")
 RECORDER = "kvlab_transform_calibration"
@@ -275,11 +276,13 @@ def _greedy(curves: list[list[torch.Tensor]], weights: list[float], budget: int,
 def fit_curves(x: torch.Tensor, weight: torch.Tensor, *, groups: int, gain: bool = True, grid: bool = False) -> list[dict]:
     """Per group: the mean, both transforms, and for every width ``0 .. FIT_BITS`` each component's centroids
     and distortion, of samples ``x [N, H, D]`` with error weights ``weight [H, D, D]`` (per head). ``grid``: uniform
-    levels (``_grid``) at the widths of the fused layout (``FUSED_WIDTHS``), the other widths' distortions infinite."""
+    levels (``_grid``) at the widths of the fused layout (``FUSED_WIDTHS``, or the tuple ``grid``), the other widths'
+    distortions infinite."""
     n, heads, dim = x.shape
     width = heads * dim // groups
     x = x.double().reshape(n, groups, width)
     blocks = torch.block_diag(*weight.double())  # [H D, H D]: each group's weight is block-diagonal over its heads
+    widths = FUSED_WIDTHS if grid is True else (grid or ())
     fits = []
     for g in range(groups):
         m = blocks[g * width : (g + 1) * width, g * width : (g + 1) * width]
@@ -299,7 +302,7 @@ def fit_curves(x: torch.Tensor, weight: torch.Tensor, *, groups: int, gain: bool
         curves = torch.full((width, MAX_BITS + 1), math.nan, dtype=torch.float64)
         cents, sums = [], _prefix_sums(uu, w)
         for b in range(MAX_BITS + 1):
-            if grid and b in FUSED_WIDTHS:
+            if grid and b in widths:
                 c, d = _grid(uu, w, 1 << b, sums)
             elif not grid and b <= FIT_BITS:
                 c, d = _lloyd(uu, w, 1 << b, sums)
@@ -457,8 +460,9 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     ``reference_bits`` on ``sensitivity_windows`` windows of ``ids`` weights each layer's keys and values (step 5
     of the module docstring); it costs two passes over half a window per layer, part and window.
 
-    ``layout="fused"``: the codes ``kvlab.transform.attention.decode_attention`` scores without a lookup. It needs
-    ``groups="head"``, ``keys="post_rope"`` and ``gain=False``; each component gets uniform levels; widths are
+    ``layout="fused"``: uniform levels that ``kvlab.transform.attention.decode_attention`` scores without a
+    lookup where ``groups="head"`` (other groups are decoded token by token). It needs ``keys="post_rope"`` and
+    ``gain=False``; each component gets uniform levels; widths are
     0, 2, 4 or 8 bits, one per block of 16 component ranks shared by a layer's heads (``allocation="greedy"``:
     the bits of each layer's keys or values apart; ``"global"``: pooled as in step 5), widest components first."""
     C.check_tensor("ids", ids, (torch.int32, torch.int64))
@@ -471,12 +475,11 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     C.check_choice("allocation", allocation, ALLOCATIONS)
     C.check_choice("layout", layout, LAYOUTS)
     if layout == "fused":
-        wrong = [f"{k}={v!r}" for k, v, need in (("groups", groups, "head"), ("keys", keys, "post_rope"),
-                                                   ("gain", gain, False), ("allocation", allocation, None))
-                 if (v != need if need is not None else v == "uniform")]
+        wrong = [f"{k}={v!r}" for k, v, bad in (("keys", keys, keys != "post_rope"), ("gain", gain, gain is not False),
+                                                  ("allocation", allocation, allocation == "uniform")) if bad]
         if wrong:
-            raise ValueError(f"layout='fused' needs groups='head', keys='post_rope', gain=False and allocation "
-                             f"'greedy' or 'global', got {', '.join(wrong)}")
+            raise ValueError(f"layout='fused' needs keys='post_rope', gain=False and allocation 'greedy' or 'global', "
+                             f"got {', '.join(wrong)}")
     if isinstance(reference_bits, bool) or not isinstance(reference_bits, (int, float)) or not 0 < reference_bits <= MAX_BITS:
         raise ValueError(f"reference_bits must be a number in (0, {MAX_BITS}], got {reference_bits!r}")
     C.check_int("sensitivity_windows", sensitivity_windows, minimum=1)
@@ -488,7 +491,9 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     from ..hf.cache import model_shape
 
     _, heads, dim = model_shape(model.config, "calibrate", sliding=True)
-    width = heads * dim // (1 if groups == "joint" else heads)
+    width = dim  # the narrowest group: its budget is the smallest
+    if groups == "joint":
+        width = heads * dim
     for name, b in [("bits", bits)] + ([("reference_bits", reference_bits)] if allocation == "global" else []):
         if code_budget(b, width, gain=gain, sink=sink, residual=residual, context=context) < 1:
             held = min(sink + residual, context)
@@ -502,30 +507,32 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
     key_codecs, value_codecs, unit_ids, pooled = [], [], [], 0
     for i, rec in enumerate(data):
         n, heads, dim = rec["keys"].shape
-        g = 1 if groups == "joint" else heads
-        width = heads * dim // g
-        budget = code_budget(bits, width, gain=gain, sink=sink, residual=residual, context=context)
+        gk = 1 if groups in ("joint", "joint keys") else heads
+        gv = 1 if groups == "joint" else heads
+        budget_k, budget_v = (code_budget(bits, heads * dim // g, gain=gain, sink=sink, residual=residual,
+                                          context=context) for g in (gk, gv))
         eye = torch.eye(dim, dtype=torch.float64).expand(heads, dim, dim)
-        grid = layout == "fused"
-        kid, vid = (i, "keys", keys, g, weighting, gain, grid), (i, "values", g, weighting, gain, grid)
+        grid = tuple(FUSED_WIDTHS) if layout == "fused" else False
+        kid, vid = (i, "keys", keys, gk, weighting, gain, grid), (i, "values", gv, weighting, gain, grid)
         if kid not in fits:
             wk = eye if not weighting else (torch.diag_embed(_pair_average(rec["q_square"])) if keys == "pre_rope"
                                             else rec["q_outer"])
-            fits[kid] = fit_curves(rec["keys_pre"] if keys == "pre_rope" else rec["keys"], wk, groups=g, gain=gain,
+            fits[kid] = fit_curves(rec["keys_pre"] if keys == "pre_rope" else rec["keys"], wk, groups=gk, gain=gain,
                                    grid=grid)
         if vid not in fits:
             wv = eye if not weighting else _value_weights(model, i, heads, dim)
-            fits[vid] = fit_curves(rec["values"], wv, groups=g, gain=gain, grid=grid)
+            fits[vid] = fit_curves(rec["values"], wv, groups=gv, gain=gain, grid=grid)
         if grid:
-            pooled += 2 * budget * g
+            pooled += budget_k * gk + budget_v * gv
             if allocation != "global":
-                key_codecs.append(_fused_codec(fits[kid], _fused_allocate([fits[kid]], [1.0], budget * g)[0]))
-                value_codecs.append(_fused_codec(fits[vid], _fused_allocate([fits[vid]], [1.0], budget * g)[0]))
+                key_codecs.append(_fused_codec(fits[kid], _fused_allocate([fits[kid]], [1.0], budget_k * gk)[0]))
+                value_codecs.append(_fused_codec(fits[vid], _fused_allocate([fits[vid]], [1.0], budget_v * gv)[0]))
         elif allocation == "global":  # the per-layer budgets, pooled below
-            pooled += sum(max(0, min(budget, f["curves"].shape[0] * FIT_BITS)) for f in (*fits[kid], *fits[vid]))
+            pooled += sum(max(0, min(b, f["curves"].shape[0] * FIT_BITS))
+                          for b, part in ((budget_k, fits[kid]), (budget_v, fits[vid])) for f in part)
         else:
-            key_codecs.append(assemble(fits[kid], budget, gain=gain, allocation=allocation))
-            value_codecs.append(assemble(fits[vid], budget, gain=gain, allocation=allocation))
+            key_codecs.append(assemble(fits[kid], budget_k, gain=gain, allocation=allocation))
+            value_codecs.append(assemble(fits[vid], budget_v, gain=gain, allocation=allocation))
         unit_ids.append((kid, vid))
     if allocation != "global":
         return TransformKV(tuple(key_codecs), tuple(value_codecs), rope, sink, residual)

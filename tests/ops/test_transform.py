@@ -28,7 +28,9 @@ SHAPES = [  # groups, dim, bits ("0-8": random widths up to 8, "4|0": halves of 
 def random_codec(groups, dim, bits, gain, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, _ = torch.linalg.qr(torch.randn(groups, dim, dim, generator=g, dtype=torch.float64))
-    q = q.float() * (torch.rand(groups, 1, dim, generator=g) * 2 + 0.1)
+    s = torch.rand(groups, 1, dim, generator=g, dtype=torch.float64) * 2 + 0.1
+    inverse = (q / s).transpose(1, 2)  # (Q diag(s))^-1 = diag(1/s) Q^T, no factorization
+    q = q * s
     if "|" in bits:  # the first half of the components one width, the second half another
         first, second = map(int, bits.split("|"))
         high = max(first, second)
@@ -41,7 +43,7 @@ def random_codec(groups, dim, bits, gain, seed=0):
         high = int(bits)
         width = torch.full((groups, dim), high)
     books = torch.sort(torch.randn(groups, dim, 1 << high, generator=g) * 1.5, -1).values
-    return TransformCodec(torch.randn(groups, dim, generator=g), q.contiguous(), torch.linalg.inv(q).contiguous(),
+    return TransformCodec(torch.randn(groups, dim, generator=g), q.float().contiguous(), inverse.float().contiguous(),
                           width, books, gain)
 
 

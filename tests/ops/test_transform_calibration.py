@@ -156,7 +156,7 @@ def test_saved_calibration_codes_the_same(tiny, tmp_path):
     (dict(bits=1.0, context=32), ValueError, r"bits=1.0 leaves no bits for the codes"),
     (dict(allocation="global", reference_bits=0.1), ValueError, r"reference_bits=0.1 leaves no bits"),
     (dict(layout="grid"), ValueError, "layout"),
-    (dict(layout="fused"), ValueError, r"layout='fused' needs groups='head'.*got groups='joint', keys='pre_rope'"),
+    (dict(layout="fused"), ValueError, r"layout='fused' needs keys='post_rope'.*got keys='pre_rope'"),
     (dict(layout="fused", groups="head", keys="post_rope", allocation="uniform"), ValueError, "allocation='uniform'"),
 ])
 def test_bad_arguments(tiny, kwargs, error, match):
@@ -375,3 +375,17 @@ def test_the_fused_layout(tiny, allocation):
     y = R.transform(kv.keys[0], x)
     codes, gain = R.quantize(kv.keys[0], y)
     assert torch.equal(R.unpack(kv.keys[0], R.pack(kv.keys[0], codes, gain))[0], codes)
+
+
+def test_joint_keys_and_head_values(tiny):
+    """``groups="joint keys"``: each layer's keys one group across its KV heads, its values one group per head, within
+    the budget; in the fused layout too (the materialising path decodes such keys)."""
+    from kvlab.transform.fused import in_layout
+
+    model, ids, data = tiny
+    for layout in ("stream", "fused"):
+        kv = CAL.calibrate(model, ids[:384], bits=3.5, groups="joint keys", keys="post_rope", layout=layout,
+                           window=128, captured=data, sink=1, residual=4, context=128)
+        assert all(c.groups == 1 and c.dim == 32 for c in kv.keys) and all(c.groups == 2 and c.dim == 16 for c in kv.values)
+        assert (kv.bits_per_element() * (128 - 5) + 16 * 5) / 128 <= 3.5 + 1e-9
+        assert not in_layout(kv.keys, 2) and (layout == "stream") != in_layout(kv.values, 2)
