@@ -155,6 +155,8 @@ def test_saved_calibration_codes_the_same(tiny, tmp_path):
     (dict(bits=0.2), ValueError, r"bits=0.2 leaves no bits for the codes: .* bits must be at least 0\.2"),
     (dict(bits=1.0, context=32), ValueError, r"bits=1.0 leaves no bits for the codes"),
     (dict(allocation="global", reference_bits=0.1), ValueError, r"reference_bits=0.1 leaves no bits"),
+    (dict(bits=8), ValueError, r"bits=8 asks for more than 7-bit codes .* at most 7\.149; for more, keep the cache in fp16"),
+    (dict(allocation="global", reference_bits=7.9), ValueError, r"reference_bits=7.9 asks for more than 7-bit"),
     (dict(layout="grid"), ValueError, "layout"),
     (dict(layout="fused"), ValueError, r"layout='fused' needs keys='post_rope'.*got keys='pre_rope'"),
     (dict(layout="fused", groups="head", keys="post_rope", allocation="uniform"), ValueError, "allocation='uniform'"),
