@@ -91,6 +91,9 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not (x.dtype.is_floating_point or x.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+        raise TypeError(f"x must hold real numbers (a float or integer dtype), got {x.dtype}: transform the real and "
+                        "imaginary parts apart")
     n = x.shape[-1] if x.dim() else 0
     if n < 1 or n & (n - 1):
         raise ValueError(f"x's last dimension must be a power of two, got shape {tuple(x.shape)}")

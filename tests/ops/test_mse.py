@@ -119,6 +119,12 @@ def test_fwht_is_the_sylvester_product_and_the_codec_rotation(dim):
     torch.testing.assert_close(codec.rotate(x).double(), x.double() @ codec.rotation.double(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool])
+def test_fwht_refuses_what_is_not_real_numbers(dtype):
+    with pytest.raises(TypeError, match=r"x must hold real numbers .* got torch\.(complex64|bool)"):
+        fwht(torch.ones(2, 8, dtype=dtype))
+
+
 def _identity_codec(dim, bits):
     """A reference codec whose rotation is the identity: the store then quantizes ``x`` itself."""
     codec = kvlab.MSECodec(dim, bits, rotation="haar")
