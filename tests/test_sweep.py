@@ -76,6 +76,10 @@ def test_values_parse(text, default, expected):
     ("1.5", 1, "is a float"),
     ("1", True, "is an int, but .* is a bool"),
     ("yes", 2.0, "is a string"),
+    ("9" * 5000, None, "has 5000 digits; an int value has at most"),
+    ("{1, 2}", None, "holds set; a value is None, a bool, a number, a string, or a list or dict"),
+    ("[1, {2}]", [1], "holds set"),
+    ("{1: 2}", None, "holds the dict key 1, which is not a string"),
 ])
 def test_bad_values_are_named(text, default, match):
     with pytest.raises(S.SweepError, match=match):

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 
@@ -124,7 +125,11 @@ def _parse_value(name: str, text: str):
     if lowered == "none":
         return None
     if _INT.fullmatch(text):
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:  # past Python's limit on the digits of an int read from text
+            raise SweepError(f"-p {name}: {text[:20]}... has {len(text)} digits; an int value has at most "
+                             f"{sys.get_int_max_str_digits() or 'unlimited'}") from None
     if _FLOAT.fullmatch(text):
         return float(text)
     if text[:1] in "'\"([{":
@@ -132,11 +137,45 @@ def _parse_value(name: str, text: str):
             value = ast.literal_eval(text)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             raise SweepError(f"-p {name}: cannot read {text!r} as a Python literal") from None
+        if not _plain(value):
+            raise SweepError(f"-p {name}: {text!r} holds {_kind(_not_plain(value))}; a value is None, a bool, a number, "
+                             "a string, or a list or dict (string keys) of them")
         return list(value) if isinstance(value, tuple) else value
     return text
 
 
+def _not_plain(value):
+    """The first part of ``value`` that is not None, a bool, a number, a string, a list, a tuple or a dict with
+    string keys (``_NOT_FOUND`` if every part is)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return _NOT_FOUND
+    if isinstance(value, (list, tuple)):
+        return next((p for p in map(_not_plain, value) if p is not _NOT_FOUND), _NOT_FOUND)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return _DictKey(k)
+            part = _not_plain(v)
+            if part is not _NOT_FOUND:
+                return part
+        return _NOT_FOUND
+    return value
+
+
+_NOT_FOUND = object()
+
+
+class _DictKey:  # a dict key that is not a string
+    def __init__(self, key):
+        self.key = key
+
+
+_plain = lambda value: _not_plain(value) is _NOT_FOUND
+
+
 def _kind(value) -> str:
+    if isinstance(value, _DictKey):
+        return f"the dict key {value.key!r}, which is not a string"
     if value is None:
         return "None"
     if isinstance(value, bool):
