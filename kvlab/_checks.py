@@ -76,6 +76,9 @@ def check_choice(name: str, value, allowed) -> str:
 def check_tensor(name: str, x, dtypes=None, ndim_min=None, last_dim=None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds shapes but no data: load the model's weights "
+                         "onto a CPU or GPU before running it")
     if dtypes is not None and x.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({names}), got {str(x.dtype).replace('torch.', '')}")

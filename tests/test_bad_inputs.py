@@ -1009,3 +1009,19 @@ def test_the_table_is_utf8_whatever_the_locale(tmp_path):
            "PYTHONPATH": str(Path(__file__).parent.parent)}
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
     assert _table(tmp_path)[0]["label"] == "na\u00efve \u2211"
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("mse", 4), KVFormat("affine", 4, key_axis="channel"), KVFormat("fp16")])
+def test_meta_device_states_are_refused_by_name(fmt):
+    """A model built on the meta device (shapes, no data) gets a clear error from a cache and a codec, not torch's."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32)
+    cache = KVCache(fmt, config=cfg)
+    k = torch.zeros(1, 1, 3, 32, device="meta")
+    with pytest.raises(ValueError, match="key_states is on the meta device, which holds shapes but no data"):
+        cache.update(k, k, 0)
+    assert cache.get_seq_length(0) == 0
+    with pytest.raises(ValueError, match="x is on the meta device"):
+        kvlab.MSECodec(32, 4).encode(torch.zeros(2, 32, device="meta"))
