@@ -1,9 +1,8 @@
 # kvlab: `make book` executes the notebooks and builds the book into _build/html;
 # `make test` runs the tests, builds the book with CPU-sized notebooks and checks the site
 # in a headless browser. `make book FULL=1` runs every notebook with `-p small False`.
-# `make test` runs pytest in the background, TEST_WORKERS processes taking whole test files (pytest-xdist;
-# its output goes to _build/pytest.log and is printed when it ends), while the notebooks execute, JOBS at a
-# time (default 2 each).
+# `make test` runs pytest in the background (its output goes to _build/pytest.log and is printed
+# when it ends) while the notebooks execute, JOBS at a time (default 2).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .ONESHELL:
@@ -14,7 +13,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.installed
 FULL_FLAG := $(if $(filter 1 yes true True,$(FULL)),--full)
 JOBS ?= 2
-TEST_WORKERS ?= 2
 
 .PHONY: book test setup clean
 
@@ -36,13 +34,13 @@ test: setup
 		export TRITON_INTERPRET=1
 	fi
 	start=$$SECONDS
-	# the cores are shared by pytest's workers and the notebooks' kernels: idle OpenMP threads sleep, never spin
+	# the cores are shared by pytest and the notebooks' kernels: idle OpenMP threads sleep, never spin
 	export OMP_WAIT_POLICY=PASSIVE
 	mkdir -p _build
 	# the converted models, once, before the tests and the notebooks load them side by side
 	$(PY) -c 'import kvlab; kvlab.load_model(); kvlab.load_model("gemma3-270m")'
 	echo "make: pytest -q tests in the background, output in _build/pytest.log (TRITON_INTERPRET=$${TRITON_INTERPRET:-unset})"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests > _build/pytest.log 2>&1 &
+	$(PY) -m pytest -q --durations=15 tests > _build/pytest.log 2>&1 &
 	pytest_pid=$$!
 	trap 'kill $$pytest_pid 2>/dev/null || true' EXIT
 	notebooks=0
