@@ -23,6 +23,8 @@ each config's calibration arguments, calibration seconds and constants.
     nice -n 10 python scripts/measure_transform.py                      # -> results/transform_codec.json
     python scripts/measure_transform.py --windows 1 --configs "transform 3.5" --out /tmp/t.json
     nice -n 10 python scripts/measure_transform.py --add --configs "3.5, window 32"   # configs into the file
+    python scripts/measure_transform.py --threads 1 --texts pydoc idle --configs "fused 3.5" \
+        --out results/transform_fused.json   # the fused layout (its relaxations: the same with --add)
 
 ``--add`` measures the given configs and fp16 again on the file's texts and windows, checks that the codec's
 fingerprint is the file's and that the fp16 windows match the file's to 1e-6, and adds the configs to the file
