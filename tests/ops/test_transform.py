@@ -129,7 +129,7 @@ def test_gain_ties_and_extremes(device):
 BAD_STORE = [  # case, error, message
     ("x_dtype", TypeError, "x must have dtype"),
     ("x_shape", ValueError, "x must be"),
-    ("x_device", ValueError, "x is on meta"),
+    ("x_device", ValueError, "x is on the meta device, which holds shapes but no data"),
     ("nan", ValueError, "NaN"),
     ("inf", ValueError, "NaN or Inf"),
     ("huge", ValueError, "65504"),
@@ -224,7 +224,7 @@ def test_kernel_launchers_check_types_and_shapes(device):
         store_transform(y.view(3, 16), codec, cache, slots)
     with pytest.raises(ValueError, match="slot_mapping must be"):
         store_transform(y, codec, cache, torch.arange(4, device=device))
-    with pytest.raises(ValueError, match="tensors must be on one device"):
+    with pytest.raises(ValueError, match="y is on the meta device, which holds shapes but no data"):
         store_transform(y.to("meta"), codec, cache, slots)
     with pytest.raises(TypeError, match="slots must have dtype"):
         load_transform(cache, codec, torch.zeros(3, device=device))

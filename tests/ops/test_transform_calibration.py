@@ -75,7 +75,7 @@ def test_sensitivity_is_the_kl_of_one_coded_part(tiny):
     kv = CAL.calibrate(model, ids[:384], bits=2.5, window=128, captured=data, sink=1, residual=4, context=128)
     kl = CAL.sensitivity(model, ids[:384], kv, windows=2, window=128)
     assert kl.shape == (2, 2) and bool((kl > 0).all()) and bool(kl.isfinite().all())
-    rich = CAL.calibrate(model, ids[:384], bits=8, window=128, captured=data, sink=1, residual=4, context=128)
+    rich = CAL.calibrate(model, ids[:384], bits=7.3, window=128, captured=data, sink=1, residual=4, context=128)
     assert bool((CAL.sensitivity(model, ids[:384], rich, windows=2, window=128) < kl).all())  # finer codes cost less
     with pytest.raises(ValueError, match="windows"):
         CAL.sensitivity(model, ids[:384], kv, windows=0)
