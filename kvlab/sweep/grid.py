@@ -137,45 +137,31 @@ def _parse_value(name: str, text: str):
             value = ast.literal_eval(text)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             raise SweepError(f"-p {name}: cannot read {text!r} as a Python literal") from None
-        if not _plain(value):
-            raise SweepError(f"-p {name}: {text!r} holds {_kind(_not_plain(value))}; a value is None, a bool, a number, "
+        if (part := _not_plain(value)) is not None:
+            raise SweepError(f"-p {name}: {text!r} holds {part}; a value is None, a bool, a number, "
                              "a string, or a list or dict (string keys) of them")
         return list(value) if isinstance(value, tuple) else value
     return text
 
 
-def _not_plain(value):
-    """The first part of ``value`` that is not None, a bool, a number, a string, a list, a tuple or a dict with
-    string keys (``_NOT_FOUND`` if every part is)."""
+def _not_plain(value) -> str | None:
+    """What the first part of ``value`` is that is not None, a bool, a number, a string, a list, a tuple or a dict with
+    string keys (None if every part is)."""
     if value is None or isinstance(value, (bool, int, float, str)):
-        return _NOT_FOUND
+        return None
     if isinstance(value, (list, tuple)):
-        return next((p for p in map(_not_plain, value) if p is not _NOT_FOUND), _NOT_FOUND)
+        return next(filter(None, map(_not_plain, value)), None)
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
-                return _DictKey(k)
-            part = _not_plain(v)
-            if part is not _NOT_FOUND:
+                return f"the dict key {k!r}, which is not a string"
+            if (part := _not_plain(v)) is not None:
                 return part
-        return _NOT_FOUND
-    return value
-
-
-_NOT_FOUND = object()
-
-
-class _DictKey:  # a dict key that is not a string
-    def __init__(self, key):
-        self.key = key
-
-
-_plain = lambda value: _not_plain(value) is _NOT_FOUND
+        return None
+    return _kind(value)
 
 
 def _kind(value) -> str:
-    if isinstance(value, _DictKey):
-        return f"the dict key {value.key!r}, which is not a string"
     if value is None:
         return "None"
     if isinstance(value, bool):

@@ -496,14 +496,14 @@ def calibrate(model, ids: torch.Tensor, *, bits: float = 3.5, groups: str = "joi
         width = heads * dim
     for name, b in [("bits", bits)] + ([("reference_bits", reference_bits)] if allocation == "global" else []):
         top = max(FUSED_WIDTHS) if layout == "fused" else FIT_BITS  # the widest code a component gets
-        if code_budget(b, width, gain=gain, sink=sink, residual=residual, context=context) > top * width:
-            held = min(sink + residual, context)
+        budget = code_budget(b, width, gain=gain, sink=sink, residual=residual, context=context)
+        held = min(sink + residual, context)
+        if budget > top * width:
             most = ((top + 16 * gain / width) * (context - held) + 16 * held) / context
             raise ValueError(f"{name}={b} asks for more than {top}-bit codes for every component (layout={layout!r}): with "
                              f"sink={sink} and residual={residual} tokens in 16 bit at context={context}, {name} can be "
                              f"at most {math.floor(most * 1000) / 1000:.3f}; for more, keep the cache in fp16")
-        if code_budget(b, width, gain=gain, sink=sink, residual=residual, context=context) < 1:
-            held = min(sink + residual, context)
+        if budget < 1:
             least = ((1 + 16 * gain) / width * (context - held) + 16 * held) / context
             raise ValueError(f"{name}={b} leaves no bits for the codes: with sink={sink} and residual={residual} tokens "
                              f"in 16 bit at context={context}{' and a gain per vector' if gain else ''}, {name} must be "
